@@ -1,0 +1,36 @@
+"""What every attention backend is handed for one engine step.
+
+Layout shared by all backends (and the Triton kernels):
+  k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], one pair per layer.
+  A token at position p of a sequence lives in slot
+  block_tables[seq, p // block_size] * block_size + p % block_size.
+The batch's tokens are flat ([num_tokens, heads, head_dim]) and ordered by sequence;
+sequences with a single query token (decodes) come first.
+Sliding window W (Mistral): query position i sees key positions j with i - W < j <= i.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor     # [num_tokens] int64: cache slot of each new token
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32: cumulative query lengths
+    seq_lens: torch.Tensor         # [num_seqs] int32: context length after this step
+    block_tables: torch.Tensor     # [num_seqs, max_blocks] int32, padded with 0
+    max_query_len: int
+    max_seq_len: int
+    num_decode_seqs: int           # sequences [0, num_decode_seqs) have query length 1
+    block_size: int
+    # CPU-side copies, for backends that plan work in Python once per step.
+    query_start_loc_cpu: list[int] = field(default_factory=list)
+    seq_lens_cpu: list[int] = field(default_factory=list)
+    # Per-step scratch a backend may fill in build() and reuse in every layer.
+    cache: dict = field(default_factory=dict)
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])

@@ -1,0 +1,55 @@
+"""Engine configuration: one dataclass, validated once at the boundary."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    attention_backend: str = "auto"
+    device: str | None = None
+    trust_remote_code: bool = False
+    allow_pickle_weights: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128; got {self.block_size}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; "
+                             f"got {self.attention_backend!r}")
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
