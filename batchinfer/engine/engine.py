@@ -1,0 +1,299 @@
+"""The engine loop: add requests, step (schedule -> execute -> process outputs), collect
+finished ones. It knows nothing of files; the job runner and LLM drive it."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from batchinfer.config import DTYPES, EngineConfig
+from batchinfer.engine.detokenizer import IncrementalDetokenizer
+from batchinfer.engine.kv_cache_manager import KVCacheManager
+from batchinfer.engine.model_runner import ModelRunner
+from batchinfer.engine.request import Request, RequestStatus
+from batchinfer.engine.scheduler import Scheduler
+from batchinfer.model.loader import architecture, resolve_model_path
+from batchinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from batchinfer.sampling_params import SamplingParams
+
+
+@dataclass
+class _Parent:
+    """One add_request call: its n sample streams and their finished completions."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+    done: dict[int, CompletionOutput] = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        from transformers import AutoConfig, AutoTokenizer
+        if config.tensor_parallel_size > 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported by this version; "
+                             "use tensor_parallel_size=1")
+        self.config = config
+        path = resolve_model_path(config.model)
+        self.model_config = AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+        architecture(self.model_config)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or path,
+                                                       trust_remote_code=config.trust_remote_code)
+        self.eos_token_ids = _eos_token_ids(path, self.model_config, self.tokenizer)
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = _resolve_dtype(config.dtype, self.model_config, self.device)
+        max_len = self.model_config.max_position_embeddings
+        if config.max_model_len is not None:
+            if config.max_model_len > max_len:
+                raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
+                                 f"max_position_embeddings ({max_len})")
+            max_len = config.max_model_len
+        torch.manual_seed(config.seed)
+        self.model_runner = ModelRunner(config, self.model_config, path, self.device, self.dtype,
+                                        max_len, self.eos_token_ids)
+        self.max_model_len = self.model_runner.max_model_len
+        config.max_model_len = self.max_model_len
+        self.kv = KVCacheManager(self.model_runner.num_blocks, config.block_size,
+                                 config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.requests: dict[str, Request] = {}
+        self.parents: dict[str, _Parent] = {}
+        self._failed: list[RequestOutput] = []
+        self.num_prompt_tokens_computed = 0
+        self.num_generated_tokens = 0
+        self.num_steps = 0
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs) -> "LLMEngine":
+        unknown = set(kwargs) - EngineConfig.field_names()
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
+        return cls(EngineConfig(model=model, **kwargs))
+
+    # ---- requests --------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        """Queue a prompt. A bad prompt does not raise: it comes back from step() as an
+        output with .error set and finish_reason "error"."""
+        if request_id in self.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        arrival = arrival_time or time.monotonic()
+        text = prompt if isinstance(prompt, str) else None
+        try:
+            token_ids = self._prompt_token_ids(prompt)
+        except ValueError as e:
+            self._fail(request_id, text, [], params, str(e), arrival)
+            return
+        children = []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1:
+                child_params = params.clone(n=1, seed=None if params.seed is None else params.seed + i)
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            child = Request(child_id, token_ids, child_params, self.eos_token_ids,
+                            self.max_model_len, arrival, request_id, i)
+            if child_params.stop:
+                child.detokenizer = IncrementalDetokenizer(
+                    self.tokenizer, child_params.stop, child_params.skip_special_tokens,
+                    child_params.include_stop_str_in_output)
+            children.append(child)
+        self.parents[request_id] = _Parent(request_id, text, token_ids, children)
+        for child in children:
+            self.requests[child.request_id] = child
+            self.scheduler.add_request(child)
+
+    def _prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            vocab = self.model_config.vocab_size
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+            token_ids = list(prompt)
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("prompt has no tokens")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is "
+                             f"{self.max_model_len} (room for at least one output token is needed)")
+        return token_ids
+
+    def _fail(self, request_id: str, prompt: str | None, token_ids: list[int],
+              params: SamplingParams, error: str, arrival: float) -> None:
+        now = time.monotonic()
+        metrics = RequestMetrics(arrival_time=arrival, finished_time=now)
+        outputs = [CompletionOutput(i, "", [], None, None, "error", metrics=metrics)
+                   for i in range(params.n)]
+        self._failed.append(RequestOutput(request_id, prompt, token_ids, outputs, True, 0,
+                                          metrics, error))
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            parent = self.parents.pop(request_id, None)
+            for child in parent.children if parent else ():
+                if not child.status.finished:
+                    self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
+                self.requests.pop(child.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.parents or self._failed)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.parents) + len(self._failed)
+
+    # ---- the step --------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the requests that finished during it."""
+        finished, self._failed = self._failed, []
+        if not self.scheduler.has_unfinished():
+            return finished
+        plan = self.scheduler.schedule()
+        if plan.total_num_scheduled_tokens == 0:
+            raise RuntimeError("the scheduler could not schedule any request")
+        result = self.model_runner.execute(plan)
+        now = time.monotonic()
+        self.num_steps += 1
+        for req_id, n in plan.num_scheduled_tokens.items():
+            req = self.requests[req_id]
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                self.num_prompt_tokens_computed += min(n, req.num_prompt_tokens - req.num_computed_tokens)
+            req.num_computed_tokens += n
+        self.num_generated_tokens += len(result.token_ids)
+        for i, (req_id, token) in enumerate(zip(result.req_ids, result.token_ids)):
+            req = self.requests[req_id]
+            req.append_token(token)
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            if req.logprobs is not None:
+                self._record_logprobs(req, token, result.logprobs[i])
+            status = self._check_stop(req, token)
+            if status is not None:
+                req.metrics.finished_time = now
+                self.scheduler.finish(req, status)
+                output = self._finish_child(req)
+                if output is not None:
+                    finished.append(output)
+        return finished
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        past_min = req.num_output_tokens >= req.params.min_tokens
+        if past_min and token in req.stop_token_ids:
+            if token in req.params.stop_token_ids:
+                req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if req.detokenizer is not None:
+            stop = req.detokenizer.add(token)
+            if stop is not None and past_min:
+                req.stop_reason = stop
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _record_logprobs(self, req: Request, token: int, entry) -> None:
+        top_ids, values, rank = entry
+        k = req.params.logprobs
+        record = {tid: Logprob(v, r + 1) for r, (tid, v) in enumerate(zip(top_ids[:k], values[:k]))}
+        record[token] = Logprob(values[-1], rank)
+        for tid, lp in record.items():
+            lp.decoded_token = self.tokenizer.decode([tid])
+        req.logprobs.append(record)
+        req.cumulative_logprob += values[-1]
+
+    def _finish_child(self, req: Request) -> RequestOutput | None:
+        parent = self.parents[req.parent_id]
+        if req.detokenizer is not None:
+            text = req.detokenizer.text
+        else:
+            text = self.tokenizer.decode(req.output_token_ids,
+                                         skip_special_tokens=req.params.skip_special_tokens)
+        parent.done[req.sample_index] = CompletionOutput(
+            req.sample_index, text, req.output_token_ids, req.cumulative_logprob, req.logprobs,
+            req.status.value, req.stop_reason, req.metrics)
+        del self.requests[req.request_id]
+        if len(parent.done) < len(parent.children):
+            return None
+        del self.parents[parent.request_id]
+        outputs = [parent.done[i] for i in range(len(parent.children))]
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs,
+                             True, max(parent.children[0].num_cached_tokens, 0),
+                             _merge_metrics([c.metrics for c in parent.children]))
+
+    # ---- introspection ---------------------------------------------------------------
+    def stats(self) -> dict:
+        return {
+            "prefix_cache_queried_tokens": self.kv.queried_tokens,
+            "prefix_cache_hit_tokens": self.kv.hit_tokens,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_free_blocks": self.kv.num_free_blocks,
+            "num_total_blocks": self.kv.pool.num_blocks,
+            "num_cached_blocks": len(self.kv.pool.cached),
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage": self.kv.usage,
+            "num_prompt_tokens_computed": self.num_prompt_tokens_computed,
+            "num_generated_tokens": self.num_generated_tokens,
+            "num_steps": self.num_steps,
+            "block_size": self.config.block_size,
+            "max_model_len": self.max_model_len,
+        }
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation through the tokenizer's chat template."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+        for m in messages:
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str)):
+                raise ValueError("each message must be a dict with string 'role' and 'content'")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("the model's tokenizer has no chat template")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _merge_metrics(parts: list[RequestMetrics]) -> RequestMetrics:
+    def first(values):
+        values = [v for v in values if v is not None]
+        return min(values) if values else None
+
+    finished = [m.finished_time for m in parts if m.finished_time is not None]
+    return RequestMetrics(
+        arrival_time=parts[0].arrival_time,
+        first_scheduled_time=first(m.first_scheduled_time for m in parts),
+        first_token_time=first(m.first_token_time for m in parts),
+        finished_time=max(finished) if finished else None,
+        num_preemptions=sum(m.num_preemptions for m in parts))
+
+
+def _eos_token_ids(path, hf_config, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    try:
+        from transformers import GenerationConfig
+        gen = GenerationConfig.from_pretrained(path)
+        eos = gen.eos_token_id
+    except (OSError, ValueError):
+        eos = getattr(hf_config, "eos_token_id", None)
+    if eos is not None:
+        ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def _resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = DTYPES.get(dtype, torch.float32)
+    if dtype not in DTYPES.values():
+        dtype = torch.float32
+    if dtype == torch.float16 and device.type == "cpu":
+        dtype = torch.bfloat16
+    return dtype

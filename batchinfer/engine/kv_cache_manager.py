@@ -1,0 +1,95 @@
+"""Which KV blocks each request holds. Query-then-commit: get_computed_blocks() finds a
+request's cached prefix without side effects; allocate_slots() takes the blocks (or returns
+None when the pool cannot hold them) and registers newly full blocks in the prefix cache."""
+from __future__ import annotations
+
+from batchinfer.engine.block_pool import BlockPool, KVBlock
+from batchinfer.engine.request import Request
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool):
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}
+        self.queried_tokens = 0
+        self.hit_tokens = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+
+    def _hashes(self, request: Request, num_blocks: int) -> list[int]:
+        """The request's chained block hashes, extended to cover num_blocks full blocks."""
+        hashes, bs, tokens = request.block_hashes, self.block_size, request.token_ids
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), num_blocks):
+            parent = hash((parent, tuple(tokens[i * bs:(i + 1) * bs])))
+            hashes.append(parent)
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """The longest cached prefix of full blocks; the last token is always left to
+        compute, since its logits are needed."""
+        if not self.enable_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for h in self._hashes(request, max_blocks)[:max_blocks]:
+            block = self.pool.get_cached(h)
+            if block is None:
+                break
+            hits.append(block)
+        self.queried_tokens += request.num_tokens
+        self.hit_tokens += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: list[KVBlock] = (), num_computed_tokens: int = 0
+                       ) -> list[KVBlock] | None:
+        """Blocks for num_new_tokens more tokens after the request's computed ones (plus
+        the cache hits passed in). Returns the newly allocated blocks, or None (and changes
+        nothing) when the pool cannot hold them."""
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        total = request.num_computed_tokens + num_computed_tokens + num_new_tokens
+        num_new = _cdiv(total, self.block_size) - len(blocks) - len(computed_blocks)
+        reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if max(num_new, 0) + reclaimed > self.pool.num_free_blocks:
+            if not blocks:
+                del self.req_blocks[request.request_id]
+            return None
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+            blocks.extend(computed_blocks)
+        new = self.pool.allocate(num_new) if num_new > 0 else []
+        blocks.extend(new)
+        if self.enable_caching:
+            self._cache_full_blocks(request, blocks, total // self.block_size)
+        return new
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_full: int) -> None:
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._hashes(request, num_full)
+        for i in range(start, num_full):
+            self.pool.cache_block(blocks[i], hashes[i])
+        self.num_cached_blocks[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        self.pool.free(blocks[::-1])
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]

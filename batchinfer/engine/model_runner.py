@@ -1,0 +1,245 @@
+"""Executes a step plan: builds the batch's tensors once, runs the model, samples.
+
+It keeps its own copy of each request's tokens and a persistent block-table row per
+running request, updated from the plan's deltas, so a step touches only what changed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from batchinfer.attention import AttentionMetadata, get_attention_backend
+from batchinfer.config import EngineConfig
+from batchinfer.engine.sampler import Sampler, SamplingBatch
+from batchinfer.engine.scheduler import SchedulerOutput
+from batchinfer.model.loader import load_model
+from batchinfer.sampling_params import SamplingParams
+
+CPU_DEFAULT_KV_BYTES = 4 << 30
+
+
+@dataclass
+class RunnerRequest:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    row: int = -1
+    num_blocks: int = 0
+
+
+@dataclass
+class RunnerOutput:
+    req_ids: list[str]                 # the requests that sampled a token this step
+    token_ids: list[int]
+    logprobs: list[tuple[list[int], list[float], int]] | None = None  # top ids, values (+sampled), rank
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, hf_config, model_path, device: torch.device,
+                 dtype: torch.dtype, max_model_len: int, eos_token_ids: frozenset[int]):
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        self.block_size = config.block_size
+        self.eos_token_ids = eos_token_ids
+        self.backend = get_attention_backend(config.attention_backend, device)
+        self.model = load_model(model_path, hf_config, self.backend, dtype, device,
+                                config.load_format, config.allow_pickle_weights, config.seed)
+        attn = self.model.model.layers[0].self_attn
+        self.num_layers = len(self.model.model.layers)
+        self.kv_shape = (self.block_size, attn.num_kv_heads, attn.head_dim)
+        self.num_blocks = self._num_kv_blocks(max_model_len)
+        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        self.max_model_len = min(max_model_len, self.num_blocks * self.block_size)
+        self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        self.block_table = np.zeros((config.max_num_seqs, self.max_blocks_per_seq), dtype=np.int64)
+        self.free_rows = list(range(config.max_num_seqs - 1, -1, -1))
+        self.requests: dict[str, RunnerRequest] = {}
+        gen = torch.Generator(device=device).manual_seed(config.seed)
+        self.sampler = Sampler(gen)
+
+    # ---- KV cache sizing -------------------------------------------------------------
+    @property
+    def block_bytes(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * int(np.prod(self.kv_shape)) * elem
+
+    def _num_kv_blocks(self, max_model_len: int) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        if cfg.kv_cache_memory_bytes is not None:
+            budget = cfg.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            budget = self._cuda_kv_budget()
+        else:
+            budget = CPU_DEFAULT_KV_BYTES
+        useful = cfg.max_num_seqs * -(-max_model_len // self.block_size) + 1
+        num = min(budget // self.block_bytes, useful) if cfg.kv_cache_memory_bytes is None \
+            else budget // self.block_bytes
+        if num < 1:
+            raise ValueError(f"the KV cache budget ({budget} bytes) holds no block of "
+                             f"{self.block_bytes} bytes; raise kv_cache_memory_bytes")
+        return int(num)
+
+    def _cuda_kv_budget(self) -> int:
+        """gpu_memory_utilization of the device minus weights and the peak activation
+        memory of a full-budget forward pass (measured)."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n = min(self.config.max_num_batched_tokens, 8192)
+        probe_blocks = -(-n // self.block_size)
+        caches = self._allocate_kv_cache(probe_blocks)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        positions = torch.arange(n, device=self.device) % self.model.config.max_position_embeddings
+        meta = self._metadata(np.array([0]), np.array([n]), np.arange(probe_blocks)[None, :],
+                              np.arange(n), 0)
+        with torch.inference_mode():
+            hidden = self.model(ids, positions, meta, caches)
+            self.model.compute_logits(hidden[-min(n, self.config.max_num_seqs):])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del caches, hidden
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return int(total * self.config.gpu_memory_utilization) - peak
+
+    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        # zeros: untouched pages stay unbacked on CPU, and padding reads are finite
+        cache = torch.zeros((self.num_layers, 2, num_blocks, *self.kv_shape), dtype=self.dtype,
+                            device=self.device)
+        return [(cache[i, 0], cache[i, 1]) for i in range(self.num_layers)]
+
+    # ---- plan bookkeeping ------------------------------------------------------------
+    def _update_states(self, plan: SchedulerOutput) -> None:
+        for req_id in plan.finished_req_ids:
+            state = self.requests.pop(req_id, None)
+            if state is not None and state.row >= 0:
+                self.free_rows.append(state.row)
+        for req_id in plan.preempted_req_ids:
+            state = self.requests.get(req_id)
+            if state is not None and state.row >= 0:
+                self.free_rows.append(state.row)
+                state.row = -1
+        for new in plan.new_requests:
+            state = self.requests.get(new.req_id)
+            if state is None:
+                seed = new.params.seed
+                gen = (torch.Generator(device=self.device).manual_seed(seed)
+                       if seed is not None else None)
+                state = RunnerRequest(list(new.token_ids), new.num_prompt_tokens, new.params, gen)
+                self.requests[new.req_id] = state
+            else:
+                state.token_ids = list(new.token_ids)
+            state.row = self.free_rows.pop()
+            state.num_blocks = len(new.block_ids)
+            self.block_table[state.row, :state.num_blocks] = new.block_ids
+        for cached in plan.cached_requests:
+            if cached.new_block_ids:
+                state = self.requests[cached.req_id]
+                end = state.num_blocks + len(cached.new_block_ids)
+                self.block_table[state.row, state.num_blocks:end] = cached.new_block_ids
+                state.num_blocks = end
+
+    def _metadata(self, starts: np.ndarray, num_new: np.ndarray, block_tables: np.ndarray,
+                  positions: np.ndarray, num_decodes: int) -> AttentionMetadata:
+        seq_lens = starts + num_new
+        qsl = np.zeros(len(num_new) + 1, dtype=np.int64)
+        np.cumsum(num_new, out=qsl[1:])
+        token_seq = np.repeat(np.arange(len(num_new)), num_new)
+        bs = self.block_size
+        slots = block_tables[token_seq, positions // bs] * bs + positions % bs
+        dev = self.device
+        return AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            block_tables=torch.from_numpy(block_tables.astype(np.int32)).to(dev),
+            max_query_len=int(num_new.max()), max_seq_len=int(seq_lens.max()),
+            num_decode_seqs=num_decodes, block_size=bs,
+            query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist())
+
+    # ---- the step --------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        self._update_states(plan)
+        starts_by_id = {c.req_id: c.num_computed_tokens for c in plan.cached_requests}
+        starts_by_id.update((n.req_id, n.num_computed_tokens) for n in plan.new_requests)
+        sched = plan.num_scheduled_tokens
+        decodes = [r for r, n in sched.items() if n == 1]
+        order = decodes + [r for r, n in sched.items() if n != 1]
+        states = [self.requests[r] for r in order]
+        starts = np.fromiter((starts_by_id[r] for r in order), dtype=np.int64, count=len(order))
+        num_new = np.fromiter((sched[r] for r in order), dtype=np.int64, count=len(order))
+
+        input_ids: list[int] = []
+        for state, start, n in zip(states, starts.tolist(), num_new.tolist()):
+            if n == 1:
+                input_ids.append(state.token_ids[start])
+            else:
+                input_ids.extend(state.token_ids[start:start + n])
+        total = len(input_ids)
+        qsl_ends = np.cumsum(num_new)
+        positions = np.arange(total, dtype=np.int64) + np.repeat(starts - (qsl_ends - num_new), num_new)
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
+        max_blocks = -(-int((starts + num_new).max()) // self.block_size)
+        block_tables = self.block_table[rows, :max_blocks]
+        meta = self._metadata(starts, num_new, block_tables, positions, len(decodes))
+
+        ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos_t = torch.from_numpy(positions).to(self.device)
+        hidden = self.model(ids_t, pos_t, meta, self.kv_caches)
+
+        sample_mask = (starts + num_new) == np.fromiter((len(s.token_ids) for s in states),
+                                                        dtype=np.int64, count=len(states))
+        sample_idx = np.nonzero(sample_mask)[0]
+        if len(sample_idx) == 0:
+            return RunnerOutput([], [])
+        sample_states = [states[i] for i in sample_idx]
+        logits = self.model.compute_logits(hidden[torch.from_numpy(qsl_ends[sample_idx] - 1).to(self.device)])
+        sampled = self.sampler(logits, self._sampling_batch(sample_states))
+        tokens = sampled.token_ids.tolist()
+        for state, token in zip(sample_states, tokens):
+            state.token_ids.append(token)
+        out = RunnerOutput([order[i] for i in sample_idx], tokens)
+        if sampled.logprob_values is not None:
+            ids, values, ranks = (sampled.logprob_ids.tolist(), sampled.logprob_values.tolist(),
+                                  sampled.sampled_ranks.tolist())
+            out.logprobs = list(zip(ids, values, ranks))
+        return out
+
+    def _sampling_batch(self, states: list[RunnerRequest]) -> SamplingBatch:
+        params = [s.params for s in states]
+        need_logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        blocked_rows, blocked_ids = [], []
+        for i, (s, p) in enumerate(zip(states, params)):
+            if p.min_tokens and len(s.token_ids) - s.num_prompt_tokens < p.min_tokens:
+                stops = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else self.eos_token_ids)
+                blocked_rows += [i] * len(stops)
+                blocked_ids += list(stops)
+        penalties = any(p.uses_penalties for p in params)
+        all_greedy = all(p.greedy for p in params)
+        batch = SamplingBatch(
+            all_greedy=all_greedy,
+            max_num_logprobs=max(need_logprobs) if need_logprobs else None,
+            blocked=(blocked_rows, blocked_ids) if blocked_rows else None)
+        dev = self.device
+        if penalties:
+            batch.repetition_penalty = torch.tensor([p.repetition_penalty for p in params], device=dev)
+            batch.presence_penalty = torch.tensor([p.presence_penalty for p in params], device=dev)
+            batch.frequency_penalty = torch.tensor([p.frequency_penalty for p in params], device=dev)
+            batch.prompt_token_ids = [s.token_ids[:s.num_prompt_tokens] for s in states]
+            batch.output_token_ids = [s.token_ids[s.num_prompt_tokens:] for s in states]
+        if not all_greedy:
+            batch.temperature = torch.tensor([p.temperature for p in params], device=dev)
+            if any(p.top_k > 0 for p in params):
+                batch.top_k = torch.tensor([p.top_k for p in params], device=dev)
+            if any(p.top_p < 1.0 for p in params):
+                batch.top_p = torch.tensor([p.top_p for p in params], device=dev)
+            if any(p.min_p > 0 for p in params):
+                batch.min_p = torch.tensor([p.min_p for p in params], device=dev)
+            gens = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
+            batch.generators = gens or None
+        return batch

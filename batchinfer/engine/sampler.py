@@ -1,0 +1,130 @@
+"""Turns the logits of the rows that sample into tokens, batched on tensors.
+
+Order, as in vLLM: raw logprobs (if asked) -> min_tokens suppression -> penalties ->
+greedy rows take argmax -> temperature -> min_p / top_k / top_p -> sample. Sampling draws
+exponential noise per row (argmax(p / q) is a sample from p); a seeded request draws its
+noise from its own generator, so its output does not depend on what shares the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings for one step; optional parts are None when unused."""
+    all_greedy: bool
+    temperature: torch.Tensor | None = None        # [N] float, 0 for greedy rows
+    top_k: torch.Tensor | None = None              # [N] long, 0 = off
+    top_p: torch.Tensor | None = None              # [N] float, 1 = off
+    min_p: torch.Tensor | None = None              # [N] float, 0 = off
+    generators: dict[int, torch.Generator] | None = None  # row -> its own generator
+    # penalties: [N] tensors and per-row token histories
+    repetition_penalty: torch.Tensor | None = None
+    presence_penalty: torch.Tensor | None = None
+    frequency_penalty: torch.Tensor | None = None
+    prompt_token_ids: list[list[int]] | None = None
+    output_token_ids: list[list[int]] | None = None
+    # (rows, token ids) whose logits are -inf this step (min_tokens not yet reached)
+    blocked: tuple[list[int], list[int]] | None = None
+    max_num_logprobs: int | None = None
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor                 # [N] long
+    logprob_ids: torch.Tensor | None = None     # [N, k] top-k token ids
+    logprob_values: torch.Tensor | None = None  # [N, k + 1]: top-k then the sampled token's
+    sampled_ranks: torch.Tensor | None = None   # [N] rank of the sampled token (1 = best)
+
+
+class Sampler:
+    def __init__(self, generator: torch.Generator | None = None):
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        raw_logprobs = None
+        if batch.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        if batch.blocked is not None:
+            logits = logits.clone()
+            logits[batch.blocked[0], batch.blocked[1]] = float("-inf")
+        if batch.repetition_penalty is not None:
+            logits = self._apply_penalties(logits, batch)
+        if batch.all_greedy:
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, batch)
+        out = SamplerOutput(tokens)
+        if raw_logprobs is not None:
+            k = batch.max_num_logprobs
+            top_values, top_ids = raw_logprobs.topk(k, dim=-1) if k else (
+                raw_logprobs[:, :0], tokens[:, None][:, :0])
+            chosen = raw_logprobs.gather(1, tokens[:, None])
+            out.logprob_ids = top_ids
+            out.logprob_values = torch.cat([top_values, chosen], dim=1)
+            out.sampled_ranks = (raw_logprobs > chosen).sum(dim=1) + 1
+        return out
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        temperature = batch.temperature
+        greedy_rows = temperature < 1e-5
+        greedy_tokens = logits.argmax(dim=-1)
+        logits = logits / torch.where(greedy_rows, 1.0, temperature)[:, None]
+        if batch.min_p is not None:
+            probs = logits.softmax(dim=-1)
+            threshold = probs.amax(dim=-1, keepdim=True) * batch.min_p[:, None]
+            logits = logits.masked_fill(probs < threshold, float("-inf"))
+        if batch.top_k is not None or batch.top_p is not None:
+            logits = _top_k_top_p(logits, batch.top_k, batch.top_p)
+        probs = logits.softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        noise.exponential_(generator=self.generator)
+        for row, gen in (batch.generators or {}).items():
+            noise[row].exponential_(generator=gen)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy_rows, greedy_tokens, sampled)
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        n, vocab = logits.shape
+        device = logits.device
+
+        def counts(histories: list[list[int]]) -> torch.Tensor:
+            lengths = [len(h) for h in histories]
+            flat = torch.tensor([t for h in histories for t in h], dtype=torch.long, device=device)
+            rows = torch.repeat_interleave(torch.arange(n, device=device),
+                                           torch.tensor(lengths, device=device))
+            c = torch.zeros(n, vocab, dtype=logits.dtype, device=device)
+            c.index_put_((rows, flat), torch.ones_like(flat, dtype=logits.dtype), accumulate=True)
+            return c
+
+        output_counts = counts(batch.output_token_ids)
+        seen = (counts(batch.prompt_token_ids) > 0) | (output_counts > 0)
+        rep = batch.repetition_penalty[:, None].expand_as(logits)
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen, penalised, logits)
+        logits = logits - batch.frequency_penalty[:, None] * output_counts
+        logits = logits - batch.presence_penalty[:, None] * (output_counts > 0).to(logits.dtype)
+        return logits
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
+                 top_p: torch.Tensor | None) -> torch.Tensor:
+    """Keep each row's top_k largest logits and the smallest set whose probability
+    reaches top_p (always at least one token)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_k is not None:
+        ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+        k = torch.where(top_k > 0, top_k, logits.shape[-1])[:, None]
+        remove |= ranks >= k
+        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # probability mass strictly before each token
+        remove |= before >= top_p[:, None]
+    remove[:, 0] = False
+    return logits.scatter(1, order, sorted_logits.masked_fill(remove, float("-inf")))

@@ -1,0 +1,127 @@
+"""Continuous batching without phases: each step asks every request to catch its
+computed tokens up with its total tokens, under a token budget and a sequence cap.
+
+Running requests go first (oldest first), then waiting ones. A prompt longer than the
+remaining budget is split across steps (chunked prefill). When a running request needs a
+block and none is free, the most recently admitted running request is preempted: its
+blocks are freed and it is recomputed later (its prefix is usually still cached).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from batchinfer.engine.kv_cache_manager import KVCacheManager
+from batchinfer.engine.request import Request, RequestStatus
+from batchinfer.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the model runner has not seen, or one resumed after preemption."""
+    req_id: str
+    token_ids: list[int]          # prompt + output so far
+    num_prompt_tokens: int
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    """The step plan: plain data, so it can be sent to other tensor-parallel ranks."""
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    finished_req_ids: set[str] = field(default_factory=set)   # since the last plan
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        now = time.monotonic()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while (new_blocks := self.kv.allocate_slots(req, n)) is None:
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            if new_blocks is None:
+                break
+            out.cached_requests.append(CachedRequestData(
+                req.request_id, [b.block_id for b in new_blocks], req.num_computed_tokens))
+            out.num_scheduled_tokens[req.request_id] = n
+            budget -= n
+            i += 1
+
+        while (self.waiting and budget > 0 and not out.preempted_req_ids
+               and len(self.running) < self.max_num_seqs):
+            req = self.waiting[0]
+            hits, num_hit = self.kv.get_computed_blocks(req)
+            n = min(req.num_tokens - num_hit, budget)
+            if self.kv.allocate_slots(req, n, hits, num_hit) is None:
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+                req.metrics.first_scheduled_time = now
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.new_requests.append(NewRequestData(
+                req.request_id, req.token_ids, req.num_prompt_tokens, req.params,
+                self.kv.block_ids(req.request_id), num_hit))
+            out.num_scheduled_tokens[req.request_id] = n
+            budget -= n
+
+        out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
+        out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
+        return out
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted_req_ids.add(req.request_id)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Mark a running or waiting request finished and release its blocks."""
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif not req.status.finished:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv.free(req)
+        self.finished_req_ids.add(req.request_id)

@@ -1,0 +1,60 @@
+"""The vLLM-compatible Python entry point."""
+from __future__ import annotations
+
+import itertools
+
+from tqdm.auto import tqdm
+
+from batchinfer.engine.engine import LLMEngine
+from batchinfer.outputs import RequestOutput
+from batchinfer.sampling_params import SamplingParams
+
+
+class LLM:
+    """LLM(model=..., dtype=..., block_size=..., ...) with the fields of EngineConfig."""
+
+    def __init__(self, model: str, **kwargs):
+        self.llm_engine = LLMEngine.from_kwargs(model, **kwargs)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Outputs in the order of the prompts (strings or token-id lists)."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        ids = []
+        for prompt, p in zip(prompts, params):
+            request_id = str(next(self._ids))
+            self.llm_engine.add_request(request_id, prompt, p)
+            ids.append(request_id)
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = False,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.llm_engine.render_chat(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+        with bar:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    done[out.request_id] = out
+                    bar.update(1)
+        return [done[i] for i in ids]
+
+    def stats(self) -> dict:
+        return self.llm_engine.stats()

@@ -1,0 +1,184 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) as plain PyTorch.
+
+Tokens are flat ([num_tokens, hidden]) with no padding; attention reads and writes the
+paged KV cache through the step's AttentionMetadata.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchinfer.attention import AttentionMetadata
+from batchinfer.model.parallel import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
+                                       RowParallelLinear, TensorParallel, VocabParallelEmbedding)
+from batchinfer.model.rope import RotaryEmbedding, rope_parameters
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config, layer_idx: int, arch: "ArchSpec", backend, dtype: torch.dtype):
+        super().__init__()
+        tp = TensorParallel.size
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_heads = config.num_attention_heads // tp
+        self.num_kv_heads = config.num_key_value_heads // tp
+        self.scale = self.head_dim ** -0.5
+        bias = arch.qkv_bias or getattr(config, "attention_bias", False)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim,
+                                          config.num_attention_heads, config.num_key_value_heads, bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
+                                        bias=getattr(config, "attention_bias", False) and not arch.qkv_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if arch.qk_norm else None
+        self.rotary = RotaryEmbedding(self.head_dim, config.max_position_embeddings,
+                                      rope_parameters(config), dtype)
+        self.sliding_window = arch.sliding_window(config, layer_idx)
+        self.backend = backend
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+
+    def forward(self, positions, hidden, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
+                                   self.sliding_window)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(
+            config.hidden_size, [config.intermediate_size, config.intermediate_size])
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, arch, backend, dtype):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx, arch, backend, dtype)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden, meta, kv_cache):
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), meta, kv_cache)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config, arch, backend, dtype):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, arch, backend, dtype)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """forward() returns final hidden states; compute_logits() applies the LM head to the
+    rows that sample (float32 logits)."""
+
+    def __init__(self, config, arch: "ArchSpec", backend, dtype: torch.dtype):
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, arch, backend, dtype)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        hidden = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            hidden = layer(positions, hidden, meta, kv_cache)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (HF names) into this rank's parameters."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            shard_id = 0
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in fused:
+                parts[-2], shard_id = fused[parts[-2]]
+                name = ".".join(parts)
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+            param = params[name]
+            owner = self.get_submodule(name.rsplit(".", 1)[0])
+            if hasattr(owner, "load_shard"):
+                owner.load_shard(param, tensor.to(param.dtype), shard_id)
+            else:
+                param.data.copy_(tensor)
+            loaded.add(name)
+        expected = {n for n in params if not (self.tie_word_embeddings and n == "lm_head.weight")}
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+class ArchSpec:
+    """What distinguishes one supported architecture from another."""
+
+    def __init__(self, qkv_bias: bool = False, qk_norm: bool = False, sliding: str = "none"):
+        self.qkv_bias, self.qk_norm, self.sliding = qkv_bias, qk_norm, sliding
+
+    def sliding_window(self, config, layer_idx: int) -> int | None:
+        window = getattr(config, "sliding_window", None)
+        if not window or self.sliding == "none":
+            return None
+        if self.sliding == "all":
+            return int(window)
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types:
+            return int(window) if layer_types[layer_idx] == "sliding_attention" else None
+        if getattr(config, "use_sliding_window", False):
+            return int(window) if layer_idx >= getattr(config, "max_window_layers", 0) else None
+        return None
+
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": ArchSpec(),
+    "MistralForCausalLM": ArchSpec(sliding="all"),
+    "Qwen2ForCausalLM": ArchSpec(qkv_bias=True, sliding="layer_types"),
+    "Qwen3ForCausalLM": ArchSpec(qk_norm=True, sliding="layer_types"),
+}

@@ -1,0 +1,111 @@
+"""Find a model directory, read its config, and fill our modules from its weights.
+
+Never downloads: a model is a local directory or a hub id already in the local HF cache.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from batchinfer.model.llama import ARCHITECTURES, CausalLM
+
+
+def resolve_model_path(model: str) -> Path:
+    """A local directory, "demo" (the built-in random model), or a hub id from the cache."""
+    if model == "demo":
+        from batchinfer.demo import demo_model_path
+        return demo_model_path()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model directory {path} has no config.json")
+        return path
+    looked = [str(path.resolve())]
+    if "/" in model and not model.startswith((".", "/", "~")):
+        cache = _hf_hub_cache()
+        snapshots = cache / ("models--" + model.replace("/", "--")) / "snapshots"
+        looked.append(str(snapshots))
+        if snapshots.is_dir():
+            found = sorted((p for p in snapshots.iterdir() if (p / "config.json").is_file()),
+                           key=lambda p: p.stat().st_mtime, reverse=True)
+            if found:
+                return found[0]
+    raise FileNotFoundError(f"model {model!r} not found (looked in: {', '.join(looked)}); "
+                            "pass a local model directory or a hub id already in the local "
+                            "Hugging Face cache — batchinfer never downloads")
+
+
+def _hf_hub_cache() -> Path:
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))
+    return home / "hub"
+
+
+def architecture(hf_config) -> str:
+    archs = getattr(hf_config, "architectures", None) or []
+    for arch in archs:
+        if arch in ARCHITECTURES:
+            return arch
+    raise ValueError(f"model architecture {archs or hf_config.model_type!r} is not supported; "
+                     f"supported: {', '.join(ARCHITECTURES)}")
+
+
+def iter_weights(path: Path, allow_pickle: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors of a (possibly sharded) safetensors checkpoint; pickle only when allowed."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if files:
+        from safetensors import safe_open
+        for name in files:
+            with safe_open(str(path / name), framework="pt") as f:
+                for key in f.keys():
+                    yield key, f.get_tensor(key)
+        return
+    pickles = sorted(path.glob("*.bin")) + sorted(path.glob("*.pt"))
+    if not pickles:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    if not allow_pickle:
+        raise ValueError(f"{path} holds only pickle weights ({pickles[0].name}); pass "
+                         "allow_pickle_weights=True (--allow-pickle-weights) to load them "
+                         "with torch.load(weights_only=True), or convert them to safetensors")
+    for file in pickles:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+        yield from state.items()
+
+
+def build_model(hf_config, backend, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    arch = ARCHITECTURES[architecture(hf_config)]
+    with torch.device(device):
+        model = CausalLM(hf_config, arch, backend, dtype)
+    return model.to(dtype=dtype)
+
+
+def load_model(path: Path, hf_config, backend, dtype: torch.dtype, device: torch.device,
+               load_format: str = "auto", allow_pickle: bool = False, seed: int = 0) -> CausalLM:
+    model = build_model(hf_config, backend, dtype, device)
+    if load_format == "dummy":
+        _init_random(model, seed)
+    else:
+        model.load_weights(iter_weights(path, allow_pickle))
+    return model.eval()
+
+
+def _init_random(model: CausalLM, seed: int) -> None:
+    """Random weights for benchmarks on shapes with no checkpoint."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+        elif name.endswith("bias"):
+            param.data.zero_()
+        else:
+            values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, 0.02, generator=gen)
+            param.data.copy_(values)
