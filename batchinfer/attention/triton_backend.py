@@ -1,0 +1,42 @@
+"""Paged attention with the Triton kernels: K/V are read straight from the cache blocks,
+never gathered into padded tensors. Decodes (sequences [0, num_decode_seqs)) go to the
+GQA decode kernel, with split-KV when the batch is too small to fill the GPU; the other
+sequences (prefill chunks, prefix-cache hits, mixed steps) go to the varlen prefill kernel.
+On CPU tensors the same kernels run under the Triton interpreter (TRITON_INTERPRET=1)."""
+from __future__ import annotations
+
+import torch
+
+from batchinfer.kernels.decode_attention import paged_decode_attention
+from batchinfer.kernels.kv_write import write_kv
+from batchinfer.kernels.prefill_attention import paged_prefill_attention
+
+from .metadata import AttentionMetadata
+
+
+class TritonAttention:
+    name = "triton"
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float, sliding_window: int | None = None) -> torch.Tensor:
+        """query [T, H, D], key/value [T, Hkv, D] -> [T, H, D]; writes key/value first.
+
+        Per-step plans (decode split count, prefill tiles, partial buffers) live in
+        meta.cache, so every layer after the first reuses them.
+        """
+        write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        nd = meta.num_decode_seqs
+        if nd:
+            max_len = max(meta.seq_lens_cpu[:nd]) if meta.seq_lens_cpu else None
+            paged_decode_attention(query[:nd], k_cache, v_cache, meta.block_tables[:nd],
+                                   meta.seq_lens[:nd], scale, sliding_window, out=out[:nd],
+                                   max_seq_len=max_len, scratch=meta.cache)
+        if nd < meta.num_seqs:
+            paged_prefill_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                    meta.query_start_loc, scale, sliding_window, out=out,
+                                    first_seq=nd,
+                                    query_start_loc_cpu=meta.query_start_loc_cpu or None,
+                                    scratch=meta.cache)
+        return out

@@ -1,0 +1,40 @@
+"""Checks and small helpers shared by the kernel launchers."""
+from __future__ import annotations
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def is_interpreted(kernel: object) -> bool:
+    """True when `kernel` was built by the Triton interpreter (TRITON_INTERPRET=1 at import)."""
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+def check_inputs(kernel: object, head_dim: int, *tensors: torch.Tensor) -> None:
+    """Raise ValueError for a dtype, head size or device the kernels do not handle."""
+    if head_dim % 16 != 0:
+        raise ValueError(f"head_dim={head_dim} is not supported by the Triton attention "
+                         "kernels: it must be a multiple of 16")
+    for t in tensors:
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"Triton attention kernels take float16, bfloat16 or float32 "
+                             f"tensors, got {t.dtype}")
+        if t.device.type != "cuda" and not is_interpreted(kernel):
+            raise ValueError("Triton kernels need CUDA tensors; to run them on CPU set "
+                             "TRITON_INTERPRET=1 before batchinfer is imported")
+
+
+def dot_settings(kernel: object, dtype: torch.dtype) -> tuple[bool, str]:
+    """(DOT_F32, DOT_PRECISION) for a kernel whose tl.dot operands have `dtype`.
+
+    The interpreter multiplies bfloat16 tiles as raw uint16 bit patterns, so under it every
+    tile is cast to float32 before tl.dot. On a GPU, float16/bfloat16 tiles go to the tensor
+    cores as they are (float32 accumulation) and float32 tiles use exact IEEE products, as
+    torch does by default.
+    """
+    return is_interpreted(kernel), ("ieee" if dtype == torch.float32 else "tf32")

@@ -1,0 +1,241 @@
+"""Paged decode attention: one query token per sequence, K/V read straight from the blocks.
+
+A program owns one (sequence, KV head) pair and serves all query heads of that KV head at
+once (GQA), so every K/V tile is loaded once per group. The query heads are padded to 16
+rows so both products are tensor-core sized tl.dot calls. With split-KV (flash-decoding)
+the context is cut into NUM_SPLITS ranges handled by separate programs, each writing an
+unnormalised partial result, and a second kernel merges them.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import check_inputs, dot_settings, next_power_of_2
+
+MIN_TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _paged_decode_kernel(
+    out_ptr,           # [num_seqs, num_heads, head_dim] (SPLIT=False)
+    part_acc_ptr,      # [num_seqs, num_heads, NUM_SPLITS, head_dim] float32, contiguous (SPLIT=True)
+    part_max_ptr,      # [num_seqs, num_heads, NUM_SPLITS] float32, contiguous (SPLIT=True)
+    part_sum_ptr,      # [num_seqs, num_heads, NUM_SPLITS] float32, contiguous (SPLIT=True)
+    q_ptr,             # [num_seqs, num_heads, head_dim]
+    k_cache_ptr,       # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,       # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_blocks] int32
+    seq_lens_ptr,      # [num_seqs] int32
+    scale_log2,        # softmax scale * log2(e)
+    window,            # sliding window W (USE_WINDOW)
+    stride_qs, stride_qh, stride_qd,
+    stride_os, stride_oh, stride_od,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_bt,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    SPLIT: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    start = lo
+    end = seq_len
+    if SPLIT:
+        chunk = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = lo + split * chunk
+        end = tl.minimum(start + chunk, seq_len)
+
+    rows = tl.arange(0, G_PAD)
+    row_ok = rows < GROUP
+    heads = kv_head * GROUP + rows
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :] * stride_qd,
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    block_row = block_tables_ptr + seq * stride_bt
+    k_head = k_cache_ptr + kv_head.to(tl.int64) * stride_kh
+    v_head = v_cache_ptr + kv_head.to(tl.int64) * stride_vh
+    for tile_start in range(start, end, BLOCK_N):
+        pos = tile_start + tl.arange(0, BLOCK_N)
+        pos_ok = pos < end
+        block = tl.load(block_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        in_block = (pos % BLOCK_SIZE).to(tl.int64)
+        kv_mask = pos_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_head + (block * stride_kb + in_block * stride_ks)[:, None]
+                    + d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        v = tl.load(v_head + (block * stride_vb + in_block * stride_vs)[:, None]
+                    + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        else:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        s = tl.where(pos_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if SPLIT:
+        part = (seq * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split
+        tl.store(part_max_ptr + part, m_i, mask=row_ok)
+        tl.store(part_sum_ptr + part, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc,
+                 mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + d[None, :] * stride_od,
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _split_kv_reduce_kernel(
+    out_ptr,           # [num_seqs, num_heads, head_dim]
+    part_acc_ptr,      # [num_seqs, num_heads, NUM_SPLITS, head_dim] float32, contiguous
+    part_max_ptr,      # [num_seqs, num_heads, NUM_SPLITS] float32, contiguous
+    part_sum_ptr,      # [num_seqs, num_heads, NUM_SPLITS] float32, contiguous
+    stride_os, stride_oh, stride_od,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    S_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, S_PAD)
+    split_ok = splits < NUM_SPLITS
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    part = (seq * tl.num_programs(1) + head) * NUM_SPLITS + splits
+    m = tl.load(part_max_ptr + part, mask=split_ok, other=float("-inf"))
+    l = tl.load(part_sum_ptr + part, mask=split_ok, other=0.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :],
+                  mask=split_ok[:, None] & d_ok[None, :], other=0.0)
+    m_max = tl.max(m, 0)
+    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_ref)
+    total = tl.sum(w * l, 0)
+    out = tl.sum(w[:, None] * acc, 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + d * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Split-KV heuristic: split only when (sequence, KV head) programs cannot fill the GPU.
+
+    With at least `num_sms` programs every SM already streams K/V, so one split is best.
+    Otherwise aim for about two programs per SM, while keeping each split at least
+    MIN_TOKENS_PER_SPLIT tokens long (the merge costs a second launch and a round trip
+    through float32 partials) and at most MAX_SPLITS splits.
+    """
+    programs = num_seqs * num_kv_heads
+    if programs == 0 or programs >= num_sms:
+        return 1
+    wanted = math.ceil(2 * num_sms / programs)
+    by_length = max_seq_len // MIN_TOKENS_PER_SPLIT
+    return max(1, min(wanted, by_length, MAX_SPLITS))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1  # the interpreter runs programs one after another
+
+
+def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           sliding_window: int | None = None, out: torch.Tensor | None = None,
+                           max_seq_len: int | None = None, num_splits: int | None = None,
+                           block_n: int | None = None, scratch: dict | None = None) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged context.
+
+    query [num_seqs, num_heads, head_dim]; the query of sequence i sits at position
+    seq_lens[i] - 1 and its K/V are already in the cache. Grid: (num_seqs, num_kv_heads,
+    num_splits) where num_splits comes from choose_num_splits unless given; with more than
+    one split the partials are merged by a second kernel over (num_seqs, num_heads).
+    `scratch` (e.g. the step's AttentionMetadata.cache) keeps the partial buffers across
+    layers. Returns `out` ([num_seqs, num_heads, head_dim], allocated when None).
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    check_inputs(_paged_decode_kernel, head_dim, query, k_cache, v_cache)
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    if num_splits is None:
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max())
+        if sliding_window is not None:
+            max_seq_len = min(max_seq_len, sliding_window)
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, _num_sms(query.device))
+    if block_n is None:
+        block_n = max(64, k_cache.shape[1])
+    dot_f32, precision = dot_settings(_paged_decode_kernel, query.dtype)
+    d_pad = next_power_of_2(head_dim)
+    split = num_splits > 1
+    if split:
+        shape = (num_seqs, num_heads, num_splits)
+        key = ("decode_partials", shape, head_dim, query.device)
+        buffers = scratch.get(key) if scratch is not None else None
+        if buffers is None:
+            buffers = (torch.empty(*shape, head_dim, dtype=torch.float32, device=query.device),
+                       torch.empty(shape, dtype=torch.float32, device=query.device),
+                       torch.empty(shape, dtype=torch.float32, device=query.device))
+            if scratch is not None:
+                scratch[key] = buffers
+        part_acc, part_max, part_sum = buffers
+    else:
+        part_acc = part_max = part_sum = out
+    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        out, part_acc, part_max, part_sum, query, k_cache, v_cache, block_tables, seq_lens,
+        scale * math.log2(math.e), sliding_window or 0,
+        *query.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
+        block_tables.stride(0),
+        HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group, G_PAD=max(16, next_power_of_2(group)),
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, USE_WINDOW=sliding_window is not None,
+        SPLIT=split, NUM_SPLITS=num_splits, DOT_F32=dot_f32, DOT_PRECISION=precision,
+        num_warps=4,
+    )
+    if split:
+        _split_kv_reduce_kernel[(num_seqs, num_heads)](
+            out, part_acc, part_max, part_sum, *out.stride(),
+            HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=num_splits,
+            S_PAD=next_power_of_2(num_splits), num_warps=4,
+        )
+    return out

@@ -1,0 +1,75 @@
+"""Synthetic paged batches for the kernel tests.
+
+The kernels must be imported after TRITON_INTERPRET is set; tests/conftest.py does that
+for the whole suite when there is no CUDA, and this file does the same when the kernel
+tests run on their own.
+"""
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from batchinfer.attention.metadata import AttentionMetadata  # noqa: E402
+
+def build_batch(seq_lens: list[int], query_lens: list[int], *, block_size: int,
+                num_kv_heads: int, group: int, head_dim: int, dtype: torch.dtype,
+                seed: int = 0, cache_dtype: torch.dtype | None = None) -> SimpleNamespace:
+    """A batch whose sequence i has seq_lens[i] tokens of context, the last query_lens[i] new.
+
+    Blocks are handed out in shuffled order; every cache slot outside a context holds NaN
+    (block 0, the block-table padding, included), so a kernel that reads past a mask fails.
+    The cache already holds the whole context; key/value are the new tokens' K/V again, and
+    slot_mapping says where they go.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    cache_dtype = cache_dtype or dtype
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = 1 + sum(blocks_per_seq) + 2
+    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    max_blocks = max(blocks_per_seq) + 1
+    block_tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=cache_dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=cache_dtype)
+    keys, values, slots = [], [], []
+    for i, (n, q) in enumerate(zip(seq_lens, query_lens)):
+        ids = [order.pop() for _ in range(blocks_per_seq[i])]
+        block_tables[i, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        k = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(cache_dtype)
+        v = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(cache_dtype)
+        for p in range(n):
+            k_cache[ids[p // block_size], p % block_size] = k[p]
+            v_cache[ids[p // block_size], p % block_size] = v[p]
+            if p >= n - q:
+                slots.append(ids[p // block_size] * block_size + p % block_size)
+        keys.append(k[n - q:])
+        values.append(v[n - q:])
+    num_tokens = sum(query_lens)
+    query = torch.randn(num_tokens, num_kv_heads * group, head_dim, generator=gen).to(dtype)
+    qsl = [0]
+    for q in query_lens:
+        qsl.append(qsl[-1] + q)
+    num_decode = next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens))
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+        num_decode_seqs=num_decode, block_size=block_size,
+        query_start_loc_cpu=qsl, seq_lens_cpu=list(seq_lens))
+    return SimpleNamespace(query=query, key=torch.cat(keys).to(dtype),
+                           value=torch.cat(values).to(dtype), k_cache=k_cache,
+                           v_cache=v_cache, meta=meta)
+
+
+@pytest.fixture
+def paged_batch():
+    """The build_batch function (fixtures are how pytest shares helpers between modules)."""
+    return build_batch
