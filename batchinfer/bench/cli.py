@@ -1,0 +1,133 @@
+"""`batchinfer bench`: offline throughput (flags as in `vllm bench throughput`), with a
+transformers baseline (--baseline hf), prefix caching on vs off (--compare-prefix-caching),
+engine overhead with the model stubbed out (--model-stub), and `bench kernels`."""
+from __future__ import annotations
+
+import inspect
+import json
+import re
+from pathlib import Path
+
+import click
+
+from batchinfer.bench.workloads import DATASET_NAMES, WORKLOADS
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20,
+               "mib": 2**20, "g": 2**30, "gb": 2**30, "gib": 2**30}
+
+
+def _parse_bytes(ctx, param, value: str | None) -> int | None:
+    if value is None:
+        return None
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise click.BadParameter(f"expected bytes such as 2147483648 or 2GiB, got {value!r}")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+def _parse_int_list(ctx, param, value: str) -> list[int]:
+    try:
+        items = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        items = []
+    if not items or any(i < 1 for i in items):
+        raise click.BadParameter(f"expected comma-separated positive integers, got {value!r}")
+    return items
+
+
+def _positive(ctx, param, value):
+    if value is not None and value < 1:
+        raise click.BadParameter(f"must be >= 1, got {value}")
+    return value
+
+
+@click.group(invoke_without_command=True,
+             context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
+@click.option("--model", default="tiny",
+              help="Checkpoint directory, or a named random-weight shape (tiny, smollm2-135m, "
+                   "llama3-8b, llama3-70b, ...).")
+@click.option("--workload", type=click.Choice(sorted(WORKLOADS)), default=None,
+              help="A preset that sets the dataset flags: shared-prefix = 256-token shared "
+                   "prefix + 32-160 unique tokens, 64 output tokens; no-shared-prefix = the "
+                   "same lengths without a shared prefix.")
+@click.option("--dataset-name", type=click.Choice(DATASET_NAMES), default="random")
+@click.option("--dataset-path", type=click.Path(dir_okay=False), default=None,
+              help="JSONL for --dataset-name file: \"prompt\" or \"prompt_token_ids\", "
+                   "optional \"output_len\" per line.")
+@click.option("--num-prompts", type=int, default=1000, callback=_positive)
+@click.option("--input-len", type=int, default=1024, callback=_positive)
+@click.option("--output-len", type=int, default=128, callback=_positive)
+@click.option("--random-range-ratio", type=click.FloatRange(0, 1, max_open=True), default=0.0,
+              help="Input and output lengths are uniform in len * [1 - r, 1 + r].")
+@click.option("--prefix-len", type=click.IntRange(min=0), default=0,
+              help="Random dataset: ids shared by every prompt, before its random part.")
+@click.option("--prefix-repetition-prefix-len", type=int, default=256, callback=_positive)
+@click.option("--prefix-repetition-suffix-len", type=int, default=256, callback=_positive)
+@click.option("--prefix-repetition-num-prefixes", type=int, default=10, callback=_positive)
+@click.option("--prefix-repetition-output-len", type=int, default=128, callback=_positive)
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+              default="auto")
+@click.option("--block-size", type=int, default=16)
+@click.option("--max-num-seqs", type=int, default=256, callback=_positive)
+@click.option("--max-num-batched-tokens", type=int, default=8192, callback=_positive)
+@click.option("--max-model-len", type=int, default=None, callback=_positive)
+@click.option("--num-kv-blocks", type=int, default=None, callback=_positive)
+@click.option("--kv-cache-memory", default=None, callback=_parse_bytes,
+              help="KV cache size in bytes (suffixes KiB/MiB/GiB accepted).")
+@click.option("--enable-prefix-caching/--no-prefix-caching", default=True)
+@click.option("--compare-prefix-caching", is_flag=True,
+              help="Also run with prefix caching off and report the speedup.")
+@click.option("--attention-backend", type=click.Choice(["auto", "torch", "triton"]),
+              default="auto")
+@click.option("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when present).")
+@click.option("--seed", type=int, default=0)
+@click.option("--baseline", type=click.Choice(["none", "hf"]), default="none",
+              help="hf: the same prompts through transformers (static batching and, where "
+                   "the installed version has it, continuous batching).")
+@click.option("--hf-batch-sizes", default="8,32,64,128", callback=_parse_int_list,
+              help="Static-batching batch sizes to try; the fastest is reported.")
+@click.option("--model-stub", is_flag=True,
+              help="Engine-overhead mode: the model's forward is a no-op; reports ms per "
+                   "decode step at each of --num-seqs.")
+@click.option("--num-seqs", default="64,256,1024", callback=_parse_int_list,
+              help="--model-stub: running sequences to measure at.")
+@click.option("--context-len", type=int, default=1024, callback=_positive,
+              help="--model-stub: context length of every sequence.")
+@click.option("--stub-steps", type=int, default=20, callback=_positive,
+              help="--model-stub: decode steps measured per size.")
+@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where named shapes are built [default: $BATCHINFER_CACHE_DIR/bench or "
+                   "~/.cache/batchinfer/bench].")
+@click.option("--output-json", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@click.pass_context
+def bench(ctx: click.Context, **opts) -> None:
+    """Offline throughput benchmark: random token-id prompts, greedy, ignore_eos, fixed
+    output lengths; prints vLLM's Throughput line and a JSON summary."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from batchinfer.bench.runner import run_bench, run_overhead
+    try:
+        summary = run_overhead(opts) if opts["model_stub"] else run_bench(opts)
+    except (ValueError, FileNotFoundError) as e:
+        raise click.UsageError(str(e)) from None
+    click.echo(json.dumps(summary, indent=2))
+    if opts["output_json"] is not None:
+        opts["output_json"].parent.mkdir(parents=True, exist_ok=True)
+        opts["output_json"].write_text(json.dumps(summary, indent=2) + "\n")
+
+
+@bench.command("kernels", context_settings={"ignore_unknown_options": True,
+                                            "allow_extra_args": True})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def kernels(args: tuple[str, ...]) -> None:
+    """GPU attention-kernel benchmarks (arguments go to the kernel benchmark)."""
+    try:
+        from batchinfer.bench.kernels import main as kernels_main
+    except ImportError as e:
+        raise click.ClickException(f"the kernel benchmarks are not available: {e}") from None
+    if isinstance(kernels_main, click.Command):
+        kernels_main.main(args=list(args), prog_name="batchinfer bench kernels")
+    elif inspect.signature(kernels_main).parameters:
+        kernels_main(list(args))
+    else:
+        kernels_main()

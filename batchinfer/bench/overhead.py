@@ -1,0 +1,130 @@
+"""Engine overhead: the CPU an engine step costs around the model.
+
+The real engine runs (scheduler, block pool, prefix cache, input and attention-metadata
+preparation, sampler, output processing) with the model's forward replaced by ZeroModel,
+which returns zero hidden states and logits of the right shapes from preallocated buffers.
+With N sequences of C-token contexts decoding, the per-step time is what the engine adds to
+every step on top of the model.
+"""
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from batchinfer.sampling_params import SamplingParams
+
+
+class ZeroModel(torch.nn.Module):
+    """The model interface (forward -> hidden [T, hidden], compute_logits -> [N, vocab])
+    at no cost; any other attribute is read from the wrapped model."""
+
+    def __init__(self, inner: torch.nn.Module, hidden_size: int, vocab_size: int):
+        super().__init__()
+        param = next(inner.parameters())
+        self.inner = inner
+        self.hidden_size = hidden_size
+        self.vocab_size = vocab_size
+        self._hidden = torch.zeros(0, hidden_size, dtype=param.dtype, device=param.device)
+        self._logits = torch.zeros(0, vocab_size, dtype=torch.float32, device=param.device)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("inner"), name)
+
+    @staticmethod
+    def _rows(buffer: torch.Tensor, n: int) -> torch.Tensor:
+        if buffer.shape[0] < n:
+            buffer.resize_(max(n, 2 * buffer.shape[0]), buffer.shape[1]).zero_()
+        return buffer[:n]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_meta,
+                kv_caches) -> torch.Tensor:
+        return self._rows(self._hidden, input_ids.shape[0])
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._rows(self._logits, hidden.shape[0])
+
+
+@dataclass
+class OverheadResult:
+    num_seqs: int
+    context_len: int
+    steps: int
+    cpu_ms_per_step: float        # median of time.process_time() per step
+    wall_ms_per_step: float       # median of time.perf_counter() per step
+    cpu_ms_per_step_mean: float
+    wall_ms_per_step_mean: float
+
+    def line(self) -> str:
+        return (f"Engine overhead: {self.num_seqs} seqs x {self.context_len} context: "
+                f"{self.cpu_ms_per_step:.3f} ms CPU/step, {self.wall_ms_per_step:.3f} ms wall/step "
+                f"(median of {self.steps} decode steps)")
+
+
+def _fill(engine) -> None:
+    """Step until every request is running with its prompt computed."""
+    computed = engine.stats().get("num_prompt_tokens_computed", 0)
+    while True:
+        engine.step()
+        stats = engine.stats()
+        now = stats.get("num_prompt_tokens_computed", 0)
+        if stats["num_waiting"] == 0 and now == computed:
+            return
+        computed = now
+
+
+def measure_overhead(model_path: str, num_seqs: int, context_len: int, steps: int, *,
+                     warmup_steps: int = 3, block_size: int = 16, dtype: str = "auto",
+                     seed: int = 0, attention_backend: str = "auto",
+                     enable_prefix_caching: bool = True,
+                     device: str | None = None) -> OverheadResult:
+    """Per-step engine time with num_seqs sequences decoding at context_len tokens."""
+    from batchinfer.engine.engine import LLMEngine
+    # Tokens each sequence generates: one at the end of its prefill, one in the step that
+    # finds the prefill done, then the warm-up and measured steps; plus slack.
+    max_new = warmup_steps + steps + 4
+    max_len = context_len + max_new + 1
+    blocks_per_seq = -(-max_len // block_size)
+    engine = LLMEngine.from_kwargs(
+        model=model_path, load_format="dummy", dtype=dtype, seed=seed, block_size=block_size,
+        enable_prefix_caching=enable_prefix_caching, max_num_seqs=num_seqs,
+        max_num_batched_tokens=max(8192, num_seqs), max_model_len=max_len,
+        num_kv_blocks=num_seqs * blocks_per_seq + 1, attention_backend=attention_backend,
+        device=device)
+    try:
+        config = engine.model_config
+        runner = engine.model_runner
+        runner.model = ZeroModel(runner.model, config.hidden_size, config.vocab_size)
+        rng = np.random.default_rng(seed)
+        params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_new)
+        for i in range(num_seqs):
+            engine.add_request(f"overhead-{i}",
+                               rng.integers(0, config.vocab_size, size=context_len).tolist(), params)
+        _fill(engine)
+        for _ in range(warmup_steps):
+            engine.step()
+        cpu, wall = [], []
+        for _ in range(steps):
+            c0, w0 = time.process_time(), time.perf_counter()
+            finished = engine.step()
+            cpu.append(time.process_time() - c0)
+            wall.append(time.perf_counter() - w0)
+            if finished:
+                raise RuntimeError("a sequence finished during the overhead measurement")
+        running = engine.stats()["num_running"]
+        if running != num_seqs:
+            raise RuntimeError(f"only {running} of {num_seqs} sequences were running; the KV "
+                               "pool or max_num_seqs is too small")
+    finally:
+        del engine
+        gc.collect()
+    return OverheadResult(num_seqs, context_len, steps,
+                          statistics.median(cpu) * 1e3, statistics.median(wall) * 1e3,
+                          statistics.fmean(cpu) * 1e3, statistics.fmean(wall) * 1e3)

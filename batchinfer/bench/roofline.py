@@ -1,0 +1,105 @@
+"""Work per step against what the device can do: decode bandwidth and prefill MFU.
+
+Decode reads every weight once per step plus the whole KV context of every running
+sequence, so achieved bandwidth = (weight bytes + KV bytes) / step time. Prefill is
+compute-bound: MFU = model FLOPs of the prefill tokens / time / the device's dense peak.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Dense (no sparsity) peaks per device name fragment: (bf16/fp16 FLOP/s, fp32 FLOP/s, bytes/s).
+# Checked in order, so the more specific names come first.
+DEVICE_PEAKS: list[tuple[str, float, float, float]] = [
+    ("H200", 989e12, 67e12, 4.8e12),
+    ("H100 PCIe", 756e12, 51e12, 2.0e12),
+    ("H100", 989e12, 67e12, 3.35e12),
+    ("GH200", 989e12, 67e12, 4.0e12),
+    ("B200", 2250e12, 80e12, 8.0e12),
+    ("A100-SXM4-80GB", 312e12, 19.5e12, 2.039e12),
+    ("A100 80GB PCIe", 312e12, 19.5e12, 1.935e12),
+    ("A100", 312e12, 19.5e12, 1.555e12),
+    ("L40S", 362e12, 91.6e12, 0.864e12),
+    ("L4", 121e12, 30.3e12, 0.3e12),
+    ("A10", 125e12, 31.2e12, 0.6e12),
+]
+
+
+@dataclass(frozen=True)
+class DevicePeak:
+    name: str
+    flops_per_s: float
+    bytes_per_s: float
+
+
+def device_peak(device: torch.device, dtype: torch.dtype) -> DevicePeak | None:
+    """The device's dense peak for dtype, or None on CPU or an unknown GPU."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for fragment, half_peak, fp32_peak, bandwidth in DEVICE_PEAKS:
+        if fragment in name:
+            flops = fp32_peak if dtype == torch.float32 else half_peak
+            return DevicePeak(name, flops, bandwidth)
+    return None
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions that set per-token work, from a transformers config."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+
+    @classmethod
+    def from_config(cls, config) -> "ModelShape":
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(config.num_hidden_layers, config.hidden_size, heads,
+                   getattr(config, "num_key_value_heads", None) or heads, head_dim,
+                   config.intermediate_size, config.vocab_size)
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def linear_flops_per_token(self) -> int:
+        """Matmul FLOPs of one token through all layers (QKV, O, gated MLP)."""
+        h, d = self.hidden_size, self.head_dim
+        attn = h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2
+        mlp = 3 * h * self.intermediate_size
+        return 2 * self.num_layers * (attn + mlp)
+
+    def logits_flops(self) -> int:
+        return 2 * self.hidden_size * self.vocab_size
+
+    def prefill_flops(self, prompt_len: int, num_cached: int) -> int:
+        """FLOPs to compute positions [num_cached, prompt_len) of one prompt, logits for the
+        last one; causal attention reads positions 0..p for query position p."""
+        new = max(prompt_len - num_cached, 0)
+        if new == 0:
+            return 0
+        # sum of (p + 1) for p in [num_cached, prompt_len)
+        keys = (prompt_len * (prompt_len + 1) - num_cached * (num_cached + 1)) // 2
+        attention = 4 * self.num_layers * self.num_heads * self.head_dim * keys
+        return new * self.linear_flops_per_token() + attention + self.logits_flops()
+
+
+def weight_bytes_read_per_step(model: torch.nn.Module, shape: ModelShape,
+                               tied_embeddings: bool) -> int:
+    """Bytes of weights a decode step reads: every parameter, except an untied input
+    embedding (only the batch's rows are gathered from it)."""
+    total = 0
+    elem = 0
+    for p in model.parameters():
+        total += p.numel() * p.element_size()
+        elem = p.element_size()
+    if not tied_embeddings:
+        total -= shape.vocab_size * shape.hidden_size * elem
+    return total

@@ -1,0 +1,161 @@
+"""One `batchinfer bench` invocation: build the workload, run our engine (and optionally
+the same with prefix caching off, and transformers), print and return the summary."""
+from __future__ import annotations
+
+import gc
+import os
+import platform
+
+import click
+import torch
+
+from batchinfer.bench import hf_baseline, report
+from batchinfer.bench.engine_run import run_workload, warm_up
+from batchinfer.bench.models import ModelSource, resolve_model
+from batchinfer.bench.overhead import measure_overhead
+from batchinfer.bench.roofline import ModelShape, device_peak, weight_bytes_read_per_step
+from batchinfer.bench.workloads import (WORKLOADS, BenchRequest, file_requests,
+                                        prefix_repetition_requests, random_requests,
+                                        workload_stats)
+
+
+def _engine_kwargs(opts: dict, enable_prefix_caching: bool) -> dict:
+    return {"dtype": opts["dtype"], "seed": opts["seed"], "block_size": opts["block_size"],
+            "enable_prefix_caching": enable_prefix_caching, "max_num_seqs": opts["max_num_seqs"],
+            "max_num_batched_tokens": opts["max_num_batched_tokens"],
+            "max_model_len": opts["max_model_len"], "num_kv_blocks": opts["num_kv_blocks"],
+            "kv_cache_memory_bytes": opts["kv_cache_memory"],
+            "attention_backend": opts["attention_backend"], "device": opts["device"]}
+
+
+def build_requests(opts: dict, vocab_size: int, tokenize) -> tuple[str, list[BenchRequest]]:
+    """(workload name, requests) from the dataset flags or a --workload preset."""
+    if opts["workload"] is not None:
+        w = WORKLOADS[opts["workload"]]
+        return opts["workload"], random_requests(
+            opts["num_prompts"], w.input_len, w.output_len, vocab_size, prefix_len=w.prefix_len,
+            random_range_ratio=w.random_range_ratio, output_range_ratio=0.0, seed=opts["seed"])
+    name = opts["dataset_name"]
+    if name == "file":
+        if opts["dataset_path"] is None:
+            raise ValueError("--dataset-name file needs --dataset-path")
+        return name, file_requests(opts["dataset_path"], opts["num_prompts"], opts["output_len"],
+                                   tokenize)
+    if opts["dataset_path"] is not None:
+        raise ValueError(f"--dataset-path is only read with --dataset-name file, not {name}")
+    if name == "prefix_repetition":
+        return name, prefix_repetition_requests(
+            opts["num_prompts"], opts["prefix_repetition_prefix_len"],
+            opts["prefix_repetition_suffix_len"], opts["prefix_repetition_num_prefixes"],
+            opts["prefix_repetition_output_len"], vocab_size, seed=opts["seed"])
+    return name, random_requests(opts["num_prompts"], opts["input_len"], opts["output_len"],
+                                 vocab_size, prefix_len=opts["prefix_len"],
+                                 random_range_ratio=opts["random_range_ratio"], seed=opts["seed"])
+
+
+def _check_fits(requests: list[BenchRequest], max_model_len: int) -> None:
+    longest = max(len(r.prompt_token_ids) + r.output_len for r in requests)
+    if longest > max_model_len:
+        raise ValueError(f"the longest request needs {longest} tokens (prompt + output) but "
+                         f"max_model_len is {max_model_len}; lower --input-len/--output-len "
+                         "or raise --max-model-len")
+
+
+def _run_ours(source: ModelSource, opts: dict, requests, enable_prefix_caching: bool,
+              workload_name: str | None = None) -> tuple[dict, dict]:
+    """(summary, facts about the engine) for one engine run; the engine is freed after."""
+    from batchinfer.engine.engine import LLMEngine
+    engine = LLMEngine.from_kwargs(model=source.path, load_format=source.load_format,
+                                   **_engine_kwargs(opts, enable_prefix_caching))
+    try:
+        if requests is None:
+            workload_name, requests = build_requests(
+                opts, engine.model_config.vocab_size,
+                lambda text: engine.tokenizer.encode(text, add_special_tokens=False))
+        _check_fits(requests, engine.config.max_model_len)
+        model = engine.model_runner.model
+        param = next(model.parameters())
+        shape = ModelShape.from_config(engine.model_config)
+        tied = bool(getattr(engine.model_config, "tie_word_embeddings", False))
+        facts = {"requests": requests, "workload": workload_name, "dtype": param.dtype,
+                 "device": param.device, "shape": shape,
+                 "max_model_len": engine.config.max_model_len}
+        warm_up(engine, shape.vocab_size, opts["seed"])
+        run = run_workload(engine, requests)
+        num_blocks = engine.stats().get("num_total_blocks")
+        summary = report.engine_summary(
+            run, block_size=opts["block_size"], num_kv_blocks=num_blocks, shape=shape,
+            weight_bytes=weight_bytes_read_per_step(model, shape, tied), dtype=param.dtype,
+            peak=device_peak(param.device, param.dtype))
+        summary["prefix_caching"] = enable_prefix_caching
+    finally:
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return summary, facts
+
+
+def run_bench(opts: dict) -> dict:
+    """The throughput benchmark; prints the human-readable lines, returns the summary."""
+    source = resolve_model(opts["model"], need_weights=opts["baseline"] == "hf",
+                           cache_dir=opts["cache_dir"])
+    summary, facts = _run_ours(source, opts, None, opts["enable_prefix_caching"])
+    requests = facts["requests"]
+    if opts["compare_prefix_caching"]:
+        if not opts["enable_prefix_caching"]:
+            raise ValueError("--compare-prefix-caching runs caching on and off; "
+                             "drop --no-prefix-caching")
+        off, _ = _run_ours(source, opts, requests, False)
+        summary["prefix_caching_off"] = off
+        summary["prefix_caching_speedup"] = off["elapsed_time"] / summary["elapsed_time"]
+        summary["prefill_tokens_saved_fraction"] = (
+            1 - summary["prefill_tokens_computed"] / off["prefill_tokens_computed"])
+
+    if opts["baseline"] == "hf":
+        model = hf_baseline.load_hf_model(source, facts["dtype"], facts["device"], opts["seed"])
+        runs = [hf_baseline.run_static(model, requests, opts["hf_batch_sizes"])]
+        if hf_baseline.continuous_batching_available(model):
+            runs.append(hf_baseline.run_continuous_batching(
+                model, requests, opts["max_num_seqs"], opts["max_num_batched_tokens"]))
+        del model
+        gc.collect()
+        summary["baselines"] = {r.name: report.baseline_summary(r, len(requests)) for r in runs}
+        summary["baseline_weights"] = "identical" if source.has_weights else "seeded random"
+        summary["ratios"] = {r.name: r.elapsed_s / summary["elapsed_time"] for r in runs}
+
+    summary.update({
+        "model": opts["model"], "model_path": source.path, "load_format": source.load_format,
+        "dtype": str(facts["dtype"]).removeprefix("torch."), "device": str(facts["device"]),
+        "device_name": (torch.cuda.get_device_name(facts["device"])
+                        if facts["device"].type == "cuda" else platform.processor() or "cpu"),
+        "torch_threads": torch.get_num_threads(),
+        "workload": {"name": facts["workload"], **workload_stats(requests)},
+        "engine": {**_engine_kwargs(opts, opts["enable_prefix_caching"]),
+                   "max_model_len": facts["max_model_len"]},
+    })
+    for line in report.summary_lines(summary):
+        click.echo(line)
+    return summary
+
+
+def run_overhead(opts: dict) -> dict:
+    """--model-stub: per-step engine time at each --num-seqs."""
+    # The stub never reads the KV cache, so one layer is enough; hidden size and vocabulary
+    # (logits and sampler work) stay those of the shape.
+    if os.path.isdir(opts["model"]):
+        source = resolve_model(opts["model"])
+    else:
+        source = resolve_model(opts["model"], cache_dir=opts["cache_dir"], num_hidden_layers=1)
+    results = []
+    for n in opts["num_seqs"]:
+        result = measure_overhead(
+            source.path, n, opts["context_len"], opts["stub_steps"],
+            block_size=opts["block_size"], dtype=opts["dtype"], seed=opts["seed"],
+            attention_backend=opts["attention_backend"],
+            enable_prefix_caching=opts["enable_prefix_caching"], device=opts["device"])
+        click.echo(result.line())
+        results.append(vars(result))
+    return {"mode": "model-stub", "model": opts["model"], "model_path": source.path,
+            "torch_threads": torch.get_num_threads(), "overhead": results}
+
