@@ -6,6 +6,7 @@ tests run on their own.
 """
 from __future__ import annotations
 
+import functools
 import os
 from types import SimpleNamespace
 
@@ -17,9 +18,13 @@ if not torch.cuda.is_available():
 
 from batchinfer.attention.metadata import AttentionMetadata  # noqa: E402
 
+# On a CUDA machine the kernels run compiled on the GPU, elsewhere under the interpreter.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
 def build_batch(seq_lens: list[int], query_lens: list[int], *, block_size: int,
                 num_kv_heads: int, group: int, head_dim: int, dtype: torch.dtype,
-                seed: int = 0, cache_dtype: torch.dtype | None = None) -> SimpleNamespace:
+                seed: int = 0, cache_dtype: torch.dtype | None = None,
+                device: torch.device = DEVICE) -> SimpleNamespace:
     """A batch whose sequence i has seq_lens[i] tokens of context, the last query_lens[i] new.
 
     Blocks are handed out in shuffled order; every cache slot outside a context holds NaN
@@ -57,19 +62,24 @@ def build_batch(seq_lens: list[int], query_lens: list[int], *, block_size: int,
         qsl.append(qsl[-1] + q)
     num_decode = next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens))
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=block_tables,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=block_tables.to(device),
         max_query_len=max(query_lens), max_seq_len=max(seq_lens),
         num_decode_seqs=num_decode, block_size=block_size,
         query_start_loc_cpu=qsl, seq_lens_cpu=list(seq_lens))
-    return SimpleNamespace(query=query, key=torch.cat(keys).to(dtype),
-                           value=torch.cat(values).to(dtype), k_cache=k_cache,
-                           v_cache=v_cache, meta=meta)
+    return SimpleNamespace(query=query.to(device), key=torch.cat(keys).to(device, dtype),
+                           value=torch.cat(values).to(device, dtype), k_cache=k_cache.to(device),
+                           v_cache=v_cache.to(device), meta=meta)
 
 
 @pytest.fixture
 def paged_batch():
-    """The build_batch function (fixtures are how pytest shares helpers between modules)."""
-    return build_batch
+    """build_batch on the test device (fixtures are how pytest shares helpers between modules)."""
+    return functools.partial(build_batch, device=DEVICE)
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return DEVICE

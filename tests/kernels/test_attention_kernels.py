@@ -24,6 +24,11 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 TOLERANCES = {torch.float32: dict(atol=2e-5, rtol=2e-5),
               torch.float16: dict(atol=1e-3, rtol=1e-3),
               torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
+if torch.cuda.is_available():
+    # Compiled for a GPU, the probabilities are also rounded to float16/bfloat16 before
+    # P @ V on the tensor cores: one more rounding of the dtype.
+    TOLERANCES.update({torch.float16: dict(atol=4e-3, rtol=4e-3),
+                       torch.bfloat16: dict(atol=3e-2, rtol=3e-2)})
 WINDOW = 20
 SCALE = 0.3
 
@@ -106,7 +111,7 @@ def test_write_kv_matches_reference(paged_batch, case):
 def test_write_kv_casts_to_cache_dtype(paged_batch, cache_dtype):
     b = paged_batch([5], [5], block_size=8, num_kv_heads=2, group=1, head_dim=64,
                     dtype=torch.float32, cache_dtype=cache_dtype)
-    key = b.key + torch.linspace(0, 1e-3, 64)
+    key = b.key + torch.linspace(0, 1e-3, 64, device=b.key.device)
     b.k_cache.zero_()
     b.v_cache.zero_()
     write_kv(key, b.value, b.k_cache, b.v_cache, b.meta.slot_mapping)
@@ -169,23 +174,23 @@ def test_rejects_unsupported_inputs(paged_batch, head_dim, dtype, match):
 
 @pytest.mark.skipif(os.environ.get("BATCHINFER_LARGE_TESTS") != "1",
                     reason="needs ~4.5 GiB of RAM; set BATCHINFER_LARGE_TESTS=1")
-def test_offsets_past_2_pow_31_elements():
+def test_offsets_past_2_pow_31_elements(device):
     """Blocks whose element offset (block * stride) does not fit in int32."""
     block_size, head_dim = 16, 16
     num_blocks = (1 << 31) // (block_size * head_dim) + 64
-    cache = torch.empty(num_blocks, block_size, 1, head_dim, dtype=torch.float16)
-    far = torch.tensor([[num_blocks - 3, num_blocks - 1]], dtype=torch.int32)
+    cache = torch.empty(num_blocks, block_size, 1, head_dim, dtype=torch.float16, device=device)
+    far = torch.tensor([[num_blocks - 3, num_blocks - 1]], dtype=torch.int32, device=device)
     gen = torch.Generator().manual_seed(0)
-    key = torch.randn(20, 1, head_dim, generator=gen, dtype=torch.float16)
-    slots = torch.cat([far[0, 0] * block_size + torch.arange(16),
-                       far[0, 1] * block_size + torch.arange(4)]).long()
+    key = torch.randn(20, 1, head_dim, generator=gen, dtype=torch.float16).to(device)
+    slots = torch.cat([far[0, 0] * block_size + torch.arange(16, device=device),
+                       far[0, 1] * block_size + torch.arange(4, device=device)]).long()
     write_kv(key, key, cache, cache, slots)
     assert torch.equal(cache[num_blocks - 1, :4], key[16:])
-    seq_lens = torch.tensor([20], dtype=torch.int32)
-    query = torch.randn(1, 4, head_dim, generator=gen, dtype=torch.float16)
+    seq_lens = torch.tensor([20], dtype=torch.int32, device=device)
+    query = torch.randn(1, 4, head_dim, generator=gen, dtype=torch.float16).to(device)
     out = paged_decode_attention(query, cache, cache, far, seq_lens, SCALE, num_splits=1)
     ref = ref_decode_attention(query, cache, cache, far, seq_lens, SCALE)
     torch.testing.assert_close(out.float(), ref, **TOLERANCES[torch.float16])
-    qsl = torch.tensor([0, 1], dtype=torch.int32)
+    qsl = torch.tensor([0, 1], dtype=torch.int32, device=device)
     out = paged_prefill_attention(query, cache, cache, far, seq_lens, qsl, SCALE)
     torch.testing.assert_close(out.float(), ref, **TOLERANCES[torch.float16])
