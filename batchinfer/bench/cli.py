@@ -95,6 +95,8 @@ def _positive(ctx, param, value):
               help="--model-stub: context length of every sequence.")
 @click.option("--stub-steps", type=int, default=20, callback=_positive,
               help="--model-stub: decode steps measured per size.")
+@click.option("--num-threads", type=int, default=None, callback=_positive,
+              help="torch intra-op threads for every system measured [default: torch's].")
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where named shapes are built [default: $BATCHINFER_CACHE_DIR/bench or "
                    "~/.cache/batchinfer/bench].")
@@ -106,6 +108,9 @@ def bench(ctx: click.Context, **opts) -> None:
     if ctx.invoked_subcommand is not None:
         return
     from batchinfer.bench.runner import run_bench, run_overhead
+    if opts["num_threads"] is not None:
+        import torch
+        torch.set_num_threads(opts["num_threads"])
     try:
         summary = run_overhead(opts) if opts["model_stub"] else run_bench(opts)
     except (ValueError, FileNotFoundError) as e:

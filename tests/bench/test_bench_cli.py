@@ -1,0 +1,127 @@
+"""`batchinfer bench` end to end on the tiny shape: the Throughput line, the JSON summary,
+prefix-cache hits, the transformers baseline and the model-stub overhead mode."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from click.testing import CliRunner
+
+from batchinfer.bench.cli import bench
+
+THROUGHPUT = re.compile(r"^Throughput: ([\d.]+) requests/s, ([\d.]+) total tokens/s, "
+                        r"([\d.]+) output tokens/s$", re.M)
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("bench-cache")
+
+
+def run_bench(cache_dir, *args: str) -> tuple[str, dict]:
+    result = CliRunner().invoke(bench, ["--model", "tiny", "--cache-dir", str(cache_dir),
+                                        "--num-kv-blocks", "96", *args])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    out = result.stdout
+    return out, json.loads(out[out.index("\n{\n") + 1:])
+
+
+def test_throughput_line_and_summary(cache_dir, tmp_path):
+    out_json = tmp_path / "res" / "bench.json"
+    out, summary = run_bench(cache_dir, "--num-prompts", "6", "--input-len", "24",
+                             "--output-len", "5", "--output-json", str(out_json))
+    m = THROUGHPUT.search(out)
+    assert m, out
+    assert json.loads(out_json.read_text()) == summary
+    assert summary["num_requests"] == 6
+    assert summary["output_tokens"] == 6 * 5
+    assert summary["prompt_tokens"] == 6 * 24
+    assert summary["total_num_tokens"] == 6 * 29
+    elapsed = summary["elapsed_time"]
+    assert 0 < elapsed < 60
+    assert float(m.group(1)) == pytest.approx(6 / elapsed, rel=0.01, abs=0.01)
+    assert float(m.group(3)) == pytest.approx(30 / elapsed, rel=0.01, abs=0.01)
+    assert summary["prefix_cache_hit_rate"] == 0.0
+    assert summary["prefill_tokens_computed"] == 6 * 24
+    assert summary["num_preemptions"] == 0
+    assert 0 < summary["ttft_p50_s"] <= summary["ttft_p99_s"] <= elapsed
+    assert 0 < summary["tpot_p50_s"] <= summary["tpot_p99_s"] <= elapsed
+    # 24-token prompts in 16-slot blocks: at peak every block but the last of each is full
+    assert 0.5 < summary["peak_kv_slot_utilization"] <= 1.0
+    assert 6 <= summary["peak_kv_blocks_in_use"] <= 96
+    assert summary["num_steps"] >= 5
+    assert summary["device"] == "cpu" and summary["prefill_mfu"] is None
+    assert summary["workload"]["name"] == "random"
+
+
+def test_prefix_repetition_hits_cache_only_with_caching_on(cache_dir):
+    out, summary = run_bench(
+        cache_dir, "--num-prompts", "6", "--dataset-name", "prefix_repetition",
+        "--prefix-repetition-prefix-len", "48", "--prefix-repetition-suffix-len", "8",
+        "--prefix-repetition-num-prefixes", "2", "--prefix-repetition-output-len", "3",
+        "--compare-prefix-caching")
+    off = summary["prefix_caching_off"]
+    assert summary["prefix_caching"] is True and off["prefix_caching"] is False
+    assert summary["prefix_cache_hit_rate"] > 0
+    assert off["prefix_cache_hit_rate"] == 0
+    assert off["prefill_tokens_computed"] == summary["prompt_tokens"] == 6 * 56
+    # at most two prompts per prefix reuse its 3 full blocks
+    cached = summary["cached_prompt_tokens"]
+    assert 0 < cached <= 4 * 48 and cached % 16 == 0
+    assert summary["prefill_tokens_computed"] == 6 * 56 - cached
+    assert summary["output_tokens"] == off["output_tokens"] == 18
+    assert summary["prefill_tokens_saved_fraction"] == pytest.approx(cached / (6 * 56))
+    assert "Throughput (prefix caching off): " in out
+
+    _, no_cache = run_bench(
+        cache_dir, "--num-prompts", "6", "--dataset-name", "prefix_repetition",
+        "--prefix-repetition-prefix-len", "48", "--prefix-repetition-suffix-len", "8",
+        "--prefix-repetition-num-prefixes", "2", "--prefix-repetition-output-len", "3",
+        "--no-prefix-caching")
+    assert no_cache["prefix_cache_hit_rate"] == 0 and no_cache["prefix_caching"] is False
+
+
+def test_hf_baseline_reports_ratios(cache_dir):
+    out, summary = run_bench(cache_dir, "--num-prompts", "4", "--input-len", "16",
+                             "--output-len", "4", "--baseline", "hf", "--hf-batch-sizes", "2,4")
+    assert summary["load_format"] == "auto" and summary["baseline_weights"] == "identical"
+    baselines = summary["baselines"]
+    assert set(baselines) <= {"hf_static", "hf_cb"} and "hf_static" in baselines
+    static = baselines["hf_static"]
+    assert static["batch_size"] in (2, 4)
+    assert set(static["elapsed_s_by_batch_size"]) == {"2", "4"}
+    for name, base in baselines.items():
+        assert base["output_tokens"] == summary["output_tokens"] == 16
+        assert base["prompt_tokens"] == summary["prompt_tokens"]
+        ratio = summary["ratios"][name]
+        assert ratio == pytest.approx(base["elapsed_time"] / summary["elapsed_time"])
+        assert ratio > 0
+    assert "Ours vs transformers static batching: " in out
+
+
+def test_model_stub_reports_ms_per_step(cache_dir):
+    out, summary = run_bench(cache_dir, "--model-stub", "--num-seqs", "3,5",
+                             "--context-len", "40", "--stub-steps", "4")
+    assert summary["mode"] == "model-stub"
+    sizes = [r["num_seqs"] for r in summary["overhead"]]
+    assert sizes == [3, 5]
+    for r in summary["overhead"]:
+        assert r["context_len"] == 40 and r["steps"] == 4
+        assert 0 < r["cpu_ms_per_step"] < 1000 and 0 < r["wall_ms_per_step"] < 1000
+    assert len(re.findall(r"^Engine overhead: \d+ seqs x 40 context: [\d.]+ ms CPU/step",
+                          out, re.M)) == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dataset-name", "file"], "--dataset-name file needs --dataset-path"),
+    (["--model", "no-such-shape"], "neither a directory nor a named shape"),
+    (["--input-len", "5000"], "max_model_len"),
+    (["--hf-batch-sizes", "4,x"], "comma-separated positive integers"),
+    (["--kv-cache-memory", "lots"], "2GiB"),
+])
+def test_bad_flags_are_usage_errors(cache_dir, args, message):
+    result = CliRunner().invoke(bench, ["--model", "tiny", "--cache-dir", str(cache_dir),
+                                        "--num-prompts", "1", "--num-kv-blocks", "96", *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output
