@@ -168,7 +168,8 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
 
-def _num_sms(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 1 elsewhere."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 1  # the interpreter runs programs one after another
@@ -203,7 +204,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             max_seq_len = int(seq_lens.max())
         if sliding_window is not None:
             max_seq_len = min(max_seq_len, sliding_window)
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, _num_sms(query.device))
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, sm_count(query.device))
     if block_n is None:
         block_n = max(64, k_cache.shape[1])
     dot_f32, precision = dot_settings(_paged_decode_kernel, query.dtype)
