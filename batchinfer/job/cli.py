@@ -1,0 +1,169 @@
+"""`batchinfer run` and `batchinfer merge`."""
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from batchinfer.config import ATTENTION_BACKENDS, DTYPES
+from batchinfer.job.config_file import load_job_file
+from batchinfer.job.errors import JobError
+from batchinfer.job.options import OUTPUT_FORMATS, JobOptions, parse_size
+
+
+class FatalError(click.ClickException):
+    """Printed as one line, `Error: ...`, with exit code 2."""
+    exit_code = 2
+
+
+class JobCommand(click.Command):
+    """A command whose usage mistakes are one line (no usage dump), exit code 2."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as e:
+            raise FatalError(e.format_message()) from None
+
+
+class SizeType(click.ParamType):
+    name = "SIZE"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        try:
+            return parse_size(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+def _options(f):
+    """The flags of `run`, in groups; every default is None so a job file can fill it."""
+    O = click.option
+    decorators = [
+        O("--config", "config", type=click.Path(dir_okay=False),
+          help="TOML job file with any of these options; flags given here override it."),
+        O("--model", help='Model directory, hub id in the local cache, or "demo".'),
+        O("--output", "-o", help="Output directory (a Parquet dataset)."),
+        O("--split", help="Split of a saved DatasetDict or hf: dataset (default: train)."),
+        O("--prompt-column", help="Column holding the prompt text (default: prompt)."),
+        O("--messages-column", help="Column holding chat messages (default: messages)."),
+        O("--system-prompt", help="System message for every row; @FILE reads it from a file."),
+        O("--id-column", help="Column whose value becomes `id` (default: the row index)."),
+        O("--limit", type=click.IntRange(min=0), help="Process only the first N input rows."),
+        # SamplingParams
+        O("--max-tokens", type=int, help="Max tokens per completion (default 16)."),
+        O("--min-tokens", type=int, help="Min tokens before EOS/stop may end a completion."),
+        O("--temperature", type=float, help="0 = greedy (default 1.0)."),
+        O("--top-p", type=float), O("--top-k", type=int), O("--min-p", type=float),
+        O("--seed", type=int, help="Sampling seed of every request (SamplingParams.seed)."),
+        O("--n", type=int, help="Completions per prompt."),
+        O("--stop", multiple=True, help="Stop string (repeatable)."),
+        O("--stop-token-ids", type=int, multiple=True, help="Stop token id (repeatable)."),
+        O("--ignore-eos", is_flag=True, default=None),
+        O("--repetition-penalty", type=float), O("--presence-penalty", type=float),
+        O("--frequency-penalty", type=float),
+        O("--logprobs", type=int, help="Save the top-K logprobs of each token (adds columns)."),
+        O("--include-stop-str-in-output", is_flag=True, default=None),
+        O("--skip-special-tokens/--no-skip-special-tokens", default=None),
+        # EngineConfig
+        O("--dtype", type=click.Choice(["auto", *DTYPES])),
+        O("--block-size", type=int), O("--max-num-seqs", type=int),
+        O("--max-num-batched-tokens", type=int), O("--max-model-len", type=int),
+        O("--kv-cache-memory", type=SizeType(), help="KV cache size, e.g. 4GiB."),
+        O("--num-kv-blocks", type=int, help="KV cache size in blocks (overrides sizing)."),
+        O("--gpu-memory-utilization", type=float),
+        O("--prefix-caching/--no-prefix-caching", default=None),
+        O("--tensor-parallel-size", type=int),
+        O("--attention-backend", type=click.Choice(ATTENTION_BACKENDS)),
+        O("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)."),
+        O("--tokenizer", help="Tokenizer directory, when not the model's."),
+        O("--trust-remote-code", is_flag=True, default=None),
+        O("--allow-pickle-weights", is_flag=True, default=None),
+        # The job
+        O("--reorder-window", type=int,
+          help="Rows read ahead and grouped by shared prefix (default 4096; 0 = input order)."),
+        O("--commit-rows", type=int, help="Commit a part every N finished rows (default 10000)."),
+        O("--commit-seconds", type=float, help="...or every T seconds (default 60)."),
+        O("--output-format", type=click.Choice(OUTPUT_FORMATS),
+          help="openai: also write the OpenAI Batch output JSONL (OpenAI Batch input only)."),
+        O("--save-token-ids", is_flag=True, default=None,
+          help="Add prompt_token_ids and token_ids columns."),
+        O("--overwrite", is_flag=True, default=None,
+          help="Replace the output of a different job in OUTDIR."),
+        O("--progress/--no-progress", default=None, help="Progress bar (or log lines)."),
+        O("--progress-interval", type=float, help="Seconds between log lines off a TTY (30)."),
+        O("--metrics-port", type=int, help="Serve Prometheus metrics on this port (0 = any)."),
+        O("--metrics-host", help="Address of the metrics endpoint (default 127.0.0.1)."),
+        O("--metrics-textfile", help="Write metrics to this node_exporter textfile."),
+        O("--metrics-interval", type=float, help="Seconds between textfile writes (15)."),
+    ]
+    for decorator in reversed(decorators):
+        f = decorator(f)
+    return f
+
+
+def _from_job_file(ctx: click.Context, path: str) -> dict[str, Any]:
+    """Job-file values, checked and converted by the types of the matching flags."""
+    params = {p.name: p for p in ctx.command.params if isinstance(p, click.Option)}
+    values = {}
+    for name, value in load_job_file(path).items():
+        param = params.get(name)
+        if name == "input":
+            values[name] = str(value)
+            continue
+        if param is None or name == "config":
+            raise JobError(f"--config {path}: unknown option {name!r}")
+        try:
+            if param.multiple:
+                items = value if isinstance(value, list) else [value]
+                values[name] = [param.type.convert(v, param, ctx) for v in items]
+            elif param.is_flag:
+                if not isinstance(value, bool):
+                    raise click.BadParameter(f"expected true or false, got {value!r}")
+                values[name] = value
+            else:
+                values[name] = param.type.convert(value, param, ctx)
+        except click.BadParameter as e:
+            raise JobError(f"--config {path}: {name}: {e.format_message()}") from None
+    return values
+
+
+@click.command(cls=JobCommand)
+@click.argument("input", required=False)
+@_options
+@click.pass_context
+def run(ctx: click.Context, input: str | None, config: str | None, **flags: Any) -> None:
+    """Stream INPUT through the model into a Parquet dataset in --output.
+
+    INPUT is a .parquet, .jsonl/.json or .csv file, a directory of them, a
+    datasets.save_to_disk folder, or hf:NAME[:SPLIT] from the local cache. Run the same
+    command again to continue a stopped job.
+    """
+    from batchinfer.job.runner import run_job
+    try:
+        values = _from_job_file(ctx, config) if config else {}
+        if input is not None:
+            values["input"] = input
+        for name, value in flags.items():
+            if value is not None and value != ():
+                values[name] = list(value) if isinstance(value, tuple) else value
+        result = run_job(JobOptions.from_dict(values))
+    except JobError as e:
+        raise FatalError(str(e)) from None
+    ctx.exit(result.exit_code)
+
+
+@click.command(cls=JobCommand)
+@click.argument("outdir", type=click.Path(file_okay=False, exists=True))
+@click.option("--rows-per-file", type=int, default=1_000_000, show_default=True,
+              help="Rows per merged Parquet file.")
+def merge(outdir: str, rows_per_file: int) -> None:
+    """Compact the part files of OUTDIR into one (or a few) Parquet files."""
+    from batchinfer.job.manifest import OutputDir
+    from batchinfer.job.merge import merge_parts
+    try:
+        before, after = merge_parts(OutputDir(outdir), rows_per_file)
+    except JobError as e:
+        raise FatalError(str(e)) from None
+    click.echo(f"batchinfer: {outdir}: {before} part file(s) -> {after}")
+

@@ -1,0 +1,56 @@
+"""Job files: TOML holding any option of `batchinfer run` (flags given too override it).
+
+Keys are option names with dashes or underscores (`max-tokens = 64`); tables such as
+`[sampling]` or `[engine]` may group them and are flattened. Relative paths (input,
+output, metrics textfile, `@file` system prompts, a model directory) are resolved against
+the folder of the job file, so a job file runs the same from any working directory.
+"""
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from batchinfer.job.errors import JobError
+
+_PATH_KEYS = ("input", "output", "metrics_textfile")
+
+
+def load_job_file(path: str | Path) -> dict[str, Any]:
+    """The options of a job file, keyed by option name (underscores), paths resolved."""
+    path = Path(path).expanduser()
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise JobError(f"--config {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise JobError(f"--config {path}: cannot read it: {e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise JobError(f"--config {path}: invalid TOML: {e}") from None
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        items = value.items() if isinstance(value, dict) else [(key, value)]
+        for name, v in items:
+            name = name.replace("-", "_")
+            if name in values:
+                raise JobError(f"--config {path}: {name!r} is given twice")
+            values[name] = v
+    return _resolve_paths(values, path.parent)
+
+
+def _resolve_paths(values: dict[str, Any], base: Path) -> dict[str, Any]:
+    def resolve(text: str) -> str:
+        p = Path(text).expanduser()
+        return str(p if p.is_absolute() else base / p)
+
+    for key in _PATH_KEYS:
+        value = values.get(key)
+        if isinstance(value, str) and not (key == "input" and value.startswith("hf:")):
+            values[key] = resolve(value)
+    prompt = values.get("system_prompt")
+    if isinstance(prompt, str) and prompt.startswith("@"):
+        values["system_prompt"] = "@" + resolve(prompt[1:])
+    model = values.get("model")
+    if isinstance(model, str) and model != "demo" and (base / model).is_dir():
+        values["model"] = str(base / model)
+    return values

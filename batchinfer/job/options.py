@@ -1,0 +1,199 @@
+"""The options of one job: a dataclass validated once, before any model is loaded."""
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from batchinfer.config import EngineConfig
+from batchinfer.job.errors import JobError
+from batchinfer.sampling_params import SamplingParams
+
+# Options passed through to SamplingParams under the same name (None = its default).
+SAMPLING_OPTIONS = (
+    "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
+    "stop_token_ids", "ignore_eos", "repetition_penalty", "presence_penalty",
+    "frequency_penalty", "logprobs", "include_stop_str_in_output", "skip_special_tokens",
+)
+# Option name -> EngineConfig field (None = the engine's default).
+ENGINE_OPTIONS = {
+    "dtype": "dtype", "block_size": "block_size", "max_num_seqs": "max_num_seqs",
+    "max_num_batched_tokens": "max_num_batched_tokens", "max_model_len": "max_model_len",
+    "kv_cache_memory": "kv_cache_memory_bytes", "num_kv_blocks": "num_kv_blocks",
+    "gpu_memory_utilization": "gpu_memory_utilization",
+    "prefix_caching": "enable_prefix_caching", "tensor_parallel_size": "tensor_parallel_size",
+    "attention_backend": "attention_backend", "device": "device", "tokenizer": "tokenizer",
+    "trust_remote_code": "trust_remote_code", "allow_pickle_weights": "allow_pickle_weights",
+}
+OUTPUT_FORMATS = ("parquet", "openai")
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+               "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
+               "tib": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from "4GiB", "512MB", "1.5g" or a plain integer."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"not a size: {text!r} (examples: 4GiB, 512MiB, 2GB)")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+def flag(name: str) -> str:
+    """The command-line flag of an option name: max_num_seqs -> --max-num-seqs."""
+    return "--" + name.replace("_", "-")
+
+
+@dataclass
+class JobOptions:
+    input: str | None = None
+    model: str | None = None
+    output: str | None = None
+    split: str | None = None
+    prompt_column: str | None = None
+    messages_column: str | None = None
+    system_prompt: str | None = None
+    id_column: str | None = None
+    limit: int | None = None
+    # SamplingParams
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    min_tokens: int | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logprobs: int | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    # EngineConfig
+    dtype: str | None = None
+    block_size: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    kv_cache_memory: int | None = None
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float | None = None
+    prefix_caching: bool | None = None
+    tensor_parallel_size: int | None = None
+    attention_backend: str | None = None
+    device: str | None = None
+    tokenizer: str | None = None
+    trust_remote_code: bool | None = None
+    allow_pickle_weights: bool | None = None
+    # The job itself
+    reorder_window: int = 4096
+    commit_rows: int = 10000
+    commit_seconds: float = 60.0
+    output_format: str = "parquet"
+    save_token_ids: bool = False
+    overwrite: bool = False
+    progress: bool = True
+    progress_interval: float = 30.0
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    metrics_textfile: str | None = None
+    metrics_interval: float = 15.0
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "JobOptions":
+        unknown = set(values) - set(cls.names())
+        if unknown:
+            raise JobError(f"unknown option(s): {', '.join(sorted(unknown))}")
+        return cls(**{k: v for k, v in values.items() if v is not None})
+
+    def validate(self) -> None:
+        """Check everything that can be checked without the input or the model."""
+        for name in ("input", "model", "output"):
+            if not getattr(self, name):
+                what = "INPUT" if name == "input" else flag(name)
+                raise JobError(f"missing {what}: give it on the command line or in the job file")
+        checks = [
+            ("reorder_window", self.reorder_window >= 0, "must be >= 0"),
+            ("commit_rows", self.commit_rows >= 1, "must be >= 1"),
+            ("commit_seconds", self.commit_seconds > 0, "must be > 0"),
+            ("progress_interval", self.progress_interval > 0, "must be > 0"),
+            ("metrics_interval", self.metrics_interval > 0, "must be > 0"),
+            ("limit", self.limit is None or self.limit >= 0, "must be >= 0"),
+            ("metrics_port", self.metrics_port is None or 0 <= self.metrics_port <= 65535,
+             "must be in [0, 65535]"),
+            ("output_format", self.output_format in OUTPUT_FORMATS,
+             f"must be one of {', '.join(OUTPUT_FORMATS)}"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise JobError(f"{flag(name)} {why}, got {getattr(self, name)!r}")
+        if self.prompt_column and self.messages_column:
+            raise JobError("give only one of --prompt-column and --messages-column")
+        self.sampling_params()
+        self.engine_config()
+        self.system_prompt_text()
+
+    def sampling_params(self) -> SamplingParams:
+        kwargs = {k: getattr(self, k) for k in SAMPLING_OPTIONS if getattr(self, k) is not None}
+        try:
+            return SamplingParams(**kwargs)
+        except (ValueError, TypeError) as e:
+            raise JobError(re.sub(r"SamplingParams\.(\w+)", lambda m: flag(m.group(1)), str(e)))
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of LLMEngine.from_kwargs, without `model`."""
+        return {field_: getattr(self, name) for name, field_ in ENGINE_OPTIONS.items()
+                if getattr(self, name) is not None}
+
+    def engine_config(self) -> EngineConfig:
+        try:
+            return EngineConfig(model=self.model, **self.engine_kwargs())
+        except ValueError as e:
+            message = str(e)
+            for name, field_ in ENGINE_OPTIONS.items():
+                message = re.sub(rf"\b{field_}\b", flag(name), message)
+            raise JobError(message)
+
+    def system_prompt_text(self) -> str | None:
+        """--system-prompt as given, or the contents of the file after an "@"."""
+        text = self.system_prompt
+        if text is None or not text.startswith("@"):
+            return text
+        path = Path(text[1:]).expanduser()
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise JobError(f"--system-prompt {text}: cannot read {path}: {e}")
+
+    def identity(self) -> dict[str, Any]:
+        """What makes two runs the same job: everything that changes the rows written.
+
+        Engine sizing, progress, metrics, commit cadence and --limit are left out, so a job
+        can be resumed on another machine, with another batch size, or extended.
+        """
+        params = asdict(self.sampling_params())
+        return {
+            "model": self.model,
+            "tokenizer": self.tokenizer,
+            "split": self.split,
+            "prompt_column": self.prompt_column,
+            "messages_column": self.messages_column,
+            "system_prompt": self.system_prompt_text(),
+            "id_column": self.id_column,
+            "save_token_ids": self.save_token_ids,
+            "sampling": params,
+        }
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}

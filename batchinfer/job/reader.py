@@ -1,0 +1,429 @@
+"""Inputs: Parquet, JSONL/JSON, CSV, a directory of them, a `datasets.save_to_disk` folder or
+`hf:NAME[:SPLIT]` from the local cache — read as streaming batches of rows.
+
+Rows are numbered 0, 1, ... across the whole input (all files of a directory in sorted
+order); that index is how a resumed job knows which rows are done. A row that cannot be
+parsed (bad JSON, invalid UTF-8, wrong field count) is still a row: it comes out with an
+error and no values, so the job writes it as a failed row instead of stopping.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchinfer.job.errors import JobError
+from batchinfer.job.rangeset import RangeSet
+from batchinfer.job.schema import ColumnTypes, encode_json_columns
+
+BATCH_ROWS = 1024
+FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".ndjson": "json",
+           ".csv": "csv"}
+_INT = re.compile(r"[+-]?\d+")
+_FLOAT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|[+-]?(inf|nan)", re.IGNORECASE)
+_SURROGATE = re.compile("[\udc80-\udcff]")
+_MAX_QUOTED = 80
+
+
+@dataclass(slots=True)
+class InputRow:
+    index: int
+    values: dict[str, Any]
+    error: str | None = None
+
+
+@dataclass
+class Inspection:
+    """What a first look at the input found: its columns, their types, its row count."""
+    columns: list[str]
+    num_rows: int | None
+    types: ColumnTypes | None = None       # row-oriented formats: types per kind of value
+    arrow_schema: pa.Schema | None = None  # columnar formats: the stored schema
+
+    def schema(self, restrict: dict[str, str]) -> tuple[pa.Schema, set[str]]:
+        if self.arrow_schema is not None:
+            return self.arrow_schema, set()
+        return self.types.schema(restrict)
+
+
+@dataclass
+class Source:
+    """A resolved input. `inspect()` may read it all once; `batches()` streams it."""
+    spec: str
+    format: str                       # parquet | json | csv | arrow
+    files: list[Path] = field(default_factory=list)
+    dataset_path: str | None = None   # arrow: a save_to_disk folder or a hub name
+    split: str | None = None
+
+    def identity(self) -> dict[str, Any]:
+        """What names this input in a job's fingerprint."""
+        if self.format == "arrow" and not self.files:
+            return {"dataset": self.dataset_path, "split": self.split}
+        return {"format": self.format, "split": self.split,
+                "files": [[str(p.resolve()), p.stat().st_size] for p in self.files]}
+
+    def inspect(self) -> Inspection:
+        if self.format == "parquet":
+            schemas = [pq.read_schema(p) for p in self.files]
+            schema = _unify_schemas(schemas, self.spec)
+            rows = sum(pq.ParquetFile(p).metadata.num_rows for p in self.files)
+            return Inspection(schema.names, rows, arrow_schema=schema)
+        if self.format == "arrow":
+            dataset = self._dataset()
+            schema = dataset.features.arrow_schema
+            return Inspection(schema.names, dataset.num_rows, arrow_schema=schema)
+        types, rows, batch = ColumnTypes(), 0, []
+        for _, raw in self._raw_rows():
+            rows += 1
+            values, error = self._parse(raw, None)
+            if error is None:
+                batch.append(values)
+                if len(batch) >= BATCH_ROWS:
+                    types.observe(batch)
+                    batch = []
+        types.observe(batch)
+        if not types.columns:
+            raise JobError(f"{self.spec}: no readable rows (is it a {self.format} file?)")
+        return Inspection(types.columns, rows, types=types)
+
+    def batches(self, schema: pa.Schema, json_columns: set[str], done: RangeSet,
+                stop: int | None = None) -> Iterator[list[InputRow]]:
+        """Rows not in `done` with index < `stop`, in input order, in batches."""
+        if self.format in ("parquet", "arrow"):
+            yield from self._columnar_batches(schema, done, stop)
+            return
+        converters = _csv_converters(schema) if self.format == "csv" else None
+        batch: list[InputRow] = []
+        index = -1
+        for where, raw in self._raw_rows():
+            index += 1
+            if stop is not None and index >= stop:
+                break
+            if index in done:
+                continue
+            values, error = self._parse(raw, converters)
+            if error is not None:
+                batch.append(InputRow(index, {}, f"{where}: {error}"))
+            else:
+                if json_columns:
+                    encode_json_columns(values, json_columns)
+                batch.append(InputRow(index, values))
+            if len(batch) >= BATCH_ROWS:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
+
+    # ---- row-oriented formats --------------------------------------------------------
+    def _raw_rows(self) -> Iterator[tuple[str, Any]]:
+        for path in self.files:
+            if self.format == "csv":
+                yield from _csv_rows(path)
+            elif _is_json_array(path):
+                yield from _json_array_rows(path)
+            else:
+                yield from _jsonl_rows(path)
+
+    def _parse(self, raw: Any, converters: dict[str, Callable] | None
+               ) -> tuple[dict[str, Any] | None, str | None]:
+        if self.format == "csv":
+            return _parse_csv(raw, converters)
+        return _parse_json(raw)
+
+    # ---- columnar formats ------------------------------------------------------------
+    def _columnar_batches(self, schema: pa.Schema, done: RangeSet,
+                          stop: int | None) -> Iterator[list[InputRow]]:
+        start = 0
+        for batch in self._arrow_batches():
+            end = start + batch.num_rows
+            first, last = start, end if stop is None else min(end, stop)
+            start = end
+            if first >= last:
+                if stop is not None and first >= stop:
+                    return
+                continue
+            if done.covers(first, last):
+                continue
+            rows = _conform(batch.slice(0, last - first), schema).to_pylist()
+            out = [InputRow(first + i, values) for i, values in enumerate(rows)
+                   if first + i not in done]
+            if out:
+                yield out
+
+    def _arrow_batches(self) -> Iterator[pa.RecordBatch]:
+        if self.format == "parquet":
+            for path in self.files:
+                yield from pq.ParquetFile(path).iter_batches(batch_size=BATCH_ROWS)
+            return
+        for table in self._dataset().with_format("arrow").iter(batch_size=BATCH_ROWS):
+            yield from table.to_batches()
+
+    def _dataset(self):
+        if self.files:
+            return _load_from_disk(Path(self.dataset_path), self.split, self.spec)
+        return _load_hub_dataset(self.dataset_path, self.split or "train", self.spec)
+
+
+def open_input(spec: str, split: str | None = None) -> Source:
+    """Resolve INPUT (a file, a directory, or hf:NAME[:SPLIT]); no rows are read yet."""
+    if spec.startswith("hf:"):
+        name, _, hf_split = spec[3:].partition(":")
+        if not name:
+            raise JobError(f"INPUT {spec!r}: write hf:NAME or hf:NAME:SPLIT")
+        return Source(spec, "arrow", dataset_path=name, split=hf_split or split)
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise JobError(f"INPUT {spec}: no such file or directory")
+    if path.is_dir():
+        return _open_directory(spec, path, split)
+    fmt = FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise JobError(f"INPUT {spec}: unknown file type {path.suffix or '(none)'}; use "
+                       ".parquet, .jsonl, .json or .csv (or a directory of them)")
+    return Source(spec, fmt, [path], split=split)
+
+
+def _open_directory(spec: str, path: Path, split: str | None) -> Source:
+    if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
+        files = sorted(p for p in path.rglob("*") if p.is_file())
+        return Source(spec, "arrow", files, dataset_path=str(path), split=split)
+    files = sorted(p for p in path.rglob("*") if p.is_file()
+                   and not any(part.startswith((".", "_")) for part in p.relative_to(path).parts)
+                   and p.suffix.lower() in FORMATS)
+    if not files:
+        raise JobError(f"INPUT {spec}: the directory holds no .parquet, .jsonl, .json or "
+                       ".csv files")
+    formats = {FORMATS[p.suffix.lower()] for p in files}
+    if len(formats) > 1:
+        raise JobError(f"INPUT {spec}: the directory mixes formats ({', '.join(sorted(formats))}); "
+                       "give one directory per format")
+    return Source(spec, formats.pop(), files, split=split)
+
+
+def _unify_schemas(schemas: list[pa.Schema], spec: str) -> pa.Schema:
+    try:
+        return pa.unify_schemas(schemas, promote_options="permissive")
+    except (pa.ArrowException, TypeError) as e:
+        raise JobError(f"INPUT {spec}: the Parquet files have incompatible schemas: {e}")
+
+
+def _conform(batch: pa.RecordBatch, schema: pa.Schema) -> pa.Table:
+    """The batch with exactly `schema`'s columns and types (missing columns as nulls)."""
+    if batch.schema.equals(schema):
+        return pa.Table.from_batches([batch])
+    columns = []
+    for f in schema:
+        i = batch.schema.get_field_index(f.name)
+        column = batch.column(i) if i >= 0 else pa.nulls(batch.num_rows, f.type)
+        columns.append(column if column.type == f.type else column.cast(f.type))
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
+def _load_from_disk(path: Path, split: str | None, spec: str):
+    import datasets
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except (OSError, ValueError) as e:
+        raise JobError(f"INPUT {spec}: cannot load the saved dataset: {e}")
+    if isinstance(loaded, datasets.DatasetDict):
+        return _pick_split(loaded, split, spec)
+    return loaded
+
+
+def _load_hub_dataset(name: str, split: str, spec: str):
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    import datasets
+    datasets.config.HF_HUB_OFFLINE = True
+    if Path(name).expanduser().is_dir():
+        name = str(Path(name).expanduser())
+    try:
+        loaded = datasets.load_dataset(name)
+    except Exception as e:  # datasets raises many types for "not available offline"
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise JobError(f"INPUT {spec}: dataset {name!r} is not in the local Hugging Face "
+                       f"cache (HF_HOME={datasets.config.HF_CACHE_HOME}); batchinfer never "
+                       f"downloads — {reason}")
+    return _pick_split(loaded, split, spec)
+
+
+def _pick_split(loaded, split: str | None, spec: str):
+    if split is None:
+        if len(loaded) == 1:
+            return next(iter(loaded.values()))
+        split = "train"
+    if split not in loaded:
+        raise JobError(f"INPUT {spec}: no split {split!r}; splits: {', '.join(loaded)} "
+                       "(choose one with --split or hf:NAME:SPLIT)")
+    return loaded[split]
+
+
+# ---- JSON ----------------------------------------------------------------------------
+def _jsonl_rows(path: Path) -> Iterator[tuple[str, bytes]]:
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if lineno == 1 and line.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark
+                line = line[3:]
+            if line.strip():
+                yield f"{path.name}:{lineno}", line
+
+
+def _is_json_array(path: Path) -> bool:
+    if path.suffix.lower() != ".json":
+        return False
+    with open(path, "rb") as f:
+        while chunk := f.read(4096):
+            stripped = chunk.lstrip()
+            if stripped:
+                return stripped.startswith(b"[")
+    return False
+
+
+def _json_array_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    """Elements of a top-level JSON array, parsed one at a time from a growing buffer.
+
+    A syntax error ends the file (there is no way to find the next element): it comes out
+    as one failed row naming the position."""
+    decoder = json.JSONDecoder()
+    ws = re.compile(r"[ \t\n\r]*")
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
+        buf, pos, offset, eof, element = "", 0, 0, False, 0
+
+        def fill() -> bool:
+            nonlocal buf, pos, offset, eof
+            chunk = f.read(1 << 20)
+            if not chunk:
+                eof = True
+                return False
+            offset += pos
+            buf, pos = buf[pos:] + chunk, 0
+            return True
+
+        def skip_ws() -> str:
+            nonlocal pos
+            while True:
+                pos = ws.match(buf, pos).end()
+                if pos < len(buf) or not fill():
+                    return buf[pos:pos + 1]
+
+        def failure(why: str) -> tuple[str, Exception]:
+            return f"{path.name}: element {element}", ValueError(
+                f"invalid JSON at character {offset + pos} ({why}); the rest of the file "
+                "cannot be read")
+
+        skip_ws()
+        pos += 1  # the "["
+        while True:
+            char = skip_ws()
+            if char == "]":
+                return
+            if char == "":
+                yield failure("the array is not closed")
+                return
+            while True:
+                try:
+                    value, end = decoder.raw_decode(buf, pos)
+                except json.JSONDecodeError as e:
+                    if not eof and fill():
+                        continue
+                    yield failure(e.msg)
+                    return
+                if end == len(buf) and not eof and fill():
+                    continue  # a number may continue in the next chunk
+                break
+            raw_text = buf[pos:end]
+            pos = end
+            element += 1
+            if _SURROGATE.search(raw_text):
+                yield f"{path.name}: element {element - 1}", UnicodeError("invalid UTF-8")
+            else:
+                yield f"{path.name}: element {element - 1}", value
+            char = skip_ws()
+            if char == ",":
+                pos += 1
+            elif char != "]":
+                yield failure("expected ',' or ']' after an element")
+                return
+
+
+def _parse_json(raw: Any) -> tuple[dict[str, Any] | None, str | None]:
+    if isinstance(raw, Exception):
+        return None, str(raw)
+    if isinstance(raw, bytes):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            return None, f"invalid UTF-8 at byte {e.start}"
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            return None, f"invalid JSON ({e.msg} at column {e.colno}): {_quote(text)}"
+    if not isinstance(raw, dict):
+        return None, f"expected a JSON object, got {_json_type(raw)}"
+    return raw, None
+
+
+def _json_type(value: Any) -> str:
+    return {list: "an array", str: "a string", bool: "a boolean", int: "a number",
+            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _quote(text: str) -> str:
+    text = text.strip()
+    return repr(text if len(text) <= _MAX_QUOTED else text[:_MAX_QUOTED] + "...")
+
+
+# ---- CSV -----------------------------------------------------------------------------
+def _csv_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    with open(path, encoding="utf-8", errors="surrogateescape", newline="") as f:
+        reader = csv.reader(f)
+        header = next(reader, None)
+        if header is None:
+            return
+        if len(set(header)) != len(header):
+            raise JobError(f"{path}: the header repeats a column name: {header}")
+        if any(_SURROGATE.search(h) for h in header):
+            raise JobError(f"{path}: the header is not valid UTF-8")
+        for record in reader:
+            if record:
+                yield f"{path.name}:{reader.line_num}", (header, record)
+
+
+def _csv_value(text: str) -> Any:
+    if text == "":
+        return None
+    if _INT.fullmatch(text):
+        return int(text)
+    if _FLOAT.fullmatch(text):
+        return float(text)
+    return text
+
+
+def _csv_converters(schema: pa.Schema) -> dict[str, Callable[[str], Any]]:
+    """Per numeric column, how to turn its text into a value; other columns stay text."""
+    numeric = {pa.int64(): int, pa.float64(): float}
+    return {f.name: numeric[f.type] for f in schema if f.type in numeric}
+
+
+def _parse_csv(raw: tuple[list[str], list[str]], converters: dict[str, Callable] | None
+               ) -> tuple[dict[str, Any] | None, str | None]:
+    header, record = raw
+    if len(record) != len(header):
+        return None, f"expected {len(header)} fields, got {len(record)}"
+    if any(_SURROGATE.search(v) for v in record):
+        return None, "invalid UTF-8"
+    if converters is None:  # inspecting: every value in its most specific kind
+        return {h: _csv_value(v) for h, v in zip(header, record)}, None
+    values = {}
+    for name, text in zip(header, record):
+        convert = converters.get(name)
+        values[name] = None if text == "" else (convert(text) if convert else text)
+    return values, None

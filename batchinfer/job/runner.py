@@ -1,0 +1,246 @@
+"""The job loop: read rows, order them by shared prefix, keep the engine fed, commit results.
+
+    rows ──▶ PromptBuilder ──▶ ReorderWindow ──▶ engine.add_request ... engine.step()
+                  │ (bad rows)                                               │
+                  └──────────────────────────▶ PartWriter ◀── sample_rows ◀──┘
+
+Everything a user can get wrong is checked before the model loads. SIGTERM and SIGINT stop
+the loop after the current step; finished rows are committed and the exit code is
+128 + the signal, so a scheduler such as Slurm can requeue the job, which then continues.
+"""
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from batchinfer.job.errors import JobError
+from batchinfer.job.manifest import Manifest, OutputDir, fingerprint, now_iso
+from batchinfer.job.metrics import JobMetrics
+from batchinfer.job.openai_output import write_openai_output
+from batchinfer.job.options import JobOptions
+from batchinfer.job.ordering import ReorderWindow
+from batchinfer.job.progress import Progress
+from batchinfer.job.prompts import PromptBuilder, PromptSpec, WorkItem, check_types, detect
+from batchinfer.job.rangeset import RangeSet
+from batchinfer.job.reader import open_input
+from batchinfer.job.schema import schema_from_json, schema_to_json
+from batchinfer.job.summary import compute_summary, print_table, write_summary
+from batchinfer.job.writer import PartWriter, error_rows, output_schema, sample_rows
+
+EngineFactory = Callable[[str, dict[str, Any]], Any]
+
+
+def load_engine(model: str, kwargs: dict[str, Any]) -> Any:
+    from batchinfer.engine.engine import LLMEngine
+    return LLMEngine.from_kwargs(model, **kwargs)
+
+
+def check_model(model: str) -> None:
+    """Fail fast (before any input is read) when the model cannot be found."""
+    from batchinfer.model.loader import resolve_model_path
+    try:
+        resolve_model_path(model)
+    except FileNotFoundError as e:
+        raise JobError(f"--model: {e}") from None
+
+
+@dataclass
+class JobResult:
+    exit_code: int
+    summary: dict[str, Any]
+    output: Path
+
+
+class StopSignals:
+    """Turns the first SIGTERM/SIGINT into a request to stop; a second one kills at once."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+        self.signum = signum
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+
+@dataclass
+class _Plan:
+    """What the job is, decided before the model loads."""
+    spec: PromptSpec
+    input_schema: Any
+    json_columns: set[str]
+    manifest: Manifest
+    fresh: bool
+
+
+def _plan(options: JobOptions, source, outdir: OutputDir) -> _Plan:
+    job = {"input": source.identity(), **options.identity()}
+    manifest = outdir.check(job, options.overwrite)
+    if manifest is not None:
+        return _Plan(PromptSpec(**manifest.prompt), schema_from_json(manifest.input_schema),
+                     set(manifest.json_columns), manifest, fresh=False)
+    inspection = source.inspect()
+    spec = detect(inspection.columns, options)
+    input_schema, json_columns = inspection.schema(spec.restrict())
+    check_types(spec, input_schema)
+    if options.output_format == "openai" and spec.mode != "openai":
+        raise JobError("--output-format openai needs OpenAI Batch input (lines with "
+                       "custom_id and body)")
+    schema = output_schema(input_schema, spec, options.save_token_ids, options.logprobs is not None)
+    manifest = Manifest(fingerprint(job), job, spec.as_dict(), schema_to_json(input_schema),
+                        sorted(json_columns), schema_to_json(schema), inspection.num_rows)
+    return _Plan(spec, input_schema, json_columns, manifest, fresh=True)
+
+
+def run_job(options: JobOptions, engine_factory: EngineFactory | None = None,
+            out: TextIO | None = None, err: TextIO | None = None) -> JobResult:
+    """Run (or continue) a job. Raises JobError for mistakes the user must fix."""
+    out, err = out or sys.stdout, err or sys.stderr
+    options.validate()
+    if engine_factory is None:
+        check_model(options.model)
+        engine_factory = load_engine
+    source = open_input(options.input, options.split)
+    outdir = OutputDir(options.output)
+    plan = _plan(options, source, outdir)
+    manifest = plan.manifest
+    known = manifest.num_input_rows
+    total = known if options.limit is None else (
+        options.limit if known is None else min(known, options.limit))
+
+    with StopSignals() as stop:
+        outdir.open(manifest, plan.fresh)
+        try:
+            manifest.runs.append({"started": now_iso(), "wall_s": 0.0, "input_rows": 0})
+            done = RangeSet(tuple(r) for r in manifest.done)
+            writer = PartWriter(outdir, manifest, schema_from_json(manifest.output_schema), done,
+                                options.commit_rows, options.commit_seconds)
+            if not plan.fresh:
+                print(f"batchinfer: continuing {outdir.path}: {len(done)} rows already done",
+                      file=err)
+            finished = total is not None and len(done) >= total
+            if not finished:
+                finished = _run_engine(options, source, plan, writer, done, total, stop,
+                                       engine_factory, err)
+            else:
+                writer.commit(complete=True)
+            return _finish(options, outdir, manifest, finished, stop, out, err)
+        finally:
+            outdir.close()
+
+
+def _run_engine(options: JobOptions, source, plan: _Plan, writer: PartWriter, done: RangeSet,
+                total: int | None, stop: StopSignals, engine_factory: EngineFactory,
+                err: TextIO) -> bool:
+    """The loop. Returns True when every row was processed, False when stopped early."""
+    if options.model == "demo":
+        from batchinfer.demo import DEMO_NOTICE
+        print(DEMO_NOTICE, file=err)
+    try:
+        engine = engine_factory(options.model, options.engine_kwargs())
+    except (FileNotFoundError, ValueError) as e:
+        raise JobError(f"--model {options.model}: {e}") from None
+    params = options.sampling_params()
+    builder = PromptBuilder(plan.spec, params, options.system_prompt_text(), engine.render_chat)
+    window: ReorderWindow[WorkItem] = ReorderWindow(options.reorder_window)
+    target = max(1, 2 * engine.config.max_num_seqs // params.n)
+    metrics = JobMetrics(options.metrics_textfile, options.metrics_interval)
+    if total is not None:
+        metrics.rows_total.set(total)
+    if options.metrics_port is not None:
+        port = metrics.serve(options.metrics_port, options.metrics_host)
+        print(f"batchinfer: metrics on http://{options.metrics_host}:{port}/metrics", file=err)
+    progress = Progress(total, len(done), options.progress, err, options.progress_interval)
+    inflight: dict[str, WorkItem] = {}
+    batches = source.batches(plan.input_schema, plan.json_columns, done, options.limit)
+    exhausted = False
+
+    def record(item: WorkItem, rows: list[dict[str, Any]]) -> None:
+        writer.add(item.row.index, rows)
+        metrics.observe_row(rows)
+        first = rows[0]
+        progress.update(1, sum(r["output_tokens"] or 0 for r in rows),
+                        first.get("prompt_tokens") or 0, first.get("cached_tokens") or 0)
+
+    try:
+        while not stop.requested:
+            while not exhausted and window.has_room():
+                batch = next(batches, None)
+                if batch is None:
+                    exhausted = True
+                    break
+                for row in batch:
+                    item = builder.build(row)
+                    if item.error is None:
+                        window.push(item.sort_key, item)
+                    else:
+                        record(item, error_rows(item))
+            while len(window) and len(inflight) < target:
+                item = window.pop()
+                request_id = str(item.row.index)
+                engine.add_request(request_id, item.prompt, item.params)
+                inflight[request_id] = item
+            if not inflight and exhausted and not len(window):
+                break
+            if inflight:
+                for output in engine.step():
+                    item = inflight.pop(output.request_id)
+                    record(item, sample_rows(item, output, options.save_token_ids,
+                                             options.logprobs is not None))
+                metrics.observe_engine(engine.stats())
+            if writer.due():
+                writer.commit()
+            metrics.tick()
+        complete = not stop.requested
+        writer.commit(complete=complete)
+        return complete
+    except BaseException:
+        writer.commit()  # rows already finished are kept whatever went wrong
+        raise
+    finally:
+        progress.close()
+        metrics.close()
+
+
+def _finish(options: JobOptions, outdir: OutputDir, manifest: Manifest, complete: bool,
+            stop: StopSignals, out: TextIO, err: TextIO) -> JobResult:
+    paths = outdir.part_paths(manifest)
+    wall_s = sum(run.get("wall_s", 0.0) for run in manifest.runs)
+    summary = compute_summary(paths, wall_s)
+    summary["complete"] = complete
+    summary["runs"] = len(manifest.runs)
+    write_summary(outdir.summary_path, summary)
+    if complete and options.output_format == "openai":
+        write_openai_output(paths, outdir.openai_path, options.model)
+    if stop.requested:
+        name = signal.Signals(stop.signum).name
+        print(f"batchinfer: stopped by {name}; {summary['rows']} rows committed in "
+              f"{outdir.path}; run the same command again to continue", file=err)
+        return JobResult(128 + stop.signum, summary, outdir.path)
+    print(f"batchinfer: {summary['rows']} rows ({summary['errors']} failed) in {outdir.path}",
+          file=out)
+    print_table(summary, out)
+    if options.output_format == "openai":
+        print(f"batchinfer: OpenAI Batch output in {outdir.openai_path}", file=out)
+    return JobResult(0, summary, outdir.path)

@@ -1,0 +1,173 @@
+"""Output rows: the schema, one row per generated sample, and buffered commits of parts."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pyarrow as pa
+
+from batchinfer.job.errors import JobError
+from batchinfer.job.manifest import Manifest, OutputDir
+from batchinfer.job.prompts import PromptSpec, WorkItem
+from batchinfer.job.rangeset import RangeSet
+from batchinfer.outputs import CompletionOutput, RequestOutput
+
+STAT_FIELDS = [
+    pa.field("sample_index", pa.int32()),
+    pa.field("completion", pa.string()),
+    pa.field("prompt_tokens", pa.int64()),
+    pa.field("cached_tokens", pa.int64()),
+    pa.field("output_tokens", pa.int64()),
+    pa.field("finish_reason", pa.string()),
+    pa.field("queue_s", pa.float64()),
+    pa.field("ttft_s", pa.float64()),
+    pa.field("tpot_s", pa.float64()),
+    pa.field("e2e_s", pa.float64()),
+    pa.field("preemptions", pa.int64()),
+    pa.field("error", pa.string()),
+]
+TOKEN_ID_FIELDS = [pa.field("prompt_token_ids", pa.list_(pa.int32())),
+                   pa.field("token_ids", pa.list_(pa.int32()))]
+LOGPROB_ENTRY = pa.struct([("token_id", pa.int32()), ("token", pa.string()),
+                           ("logprob", pa.float32()), ("rank", pa.int32())])
+LOGPROB_FIELDS = [pa.field("cumulative_logprob", pa.float64()),
+                  pa.field("logprobs", pa.list_(pa.list_(LOGPROB_ENTRY)))]
+
+
+def output_schema(input_schema: pa.Schema, spec: PromptSpec, save_token_ids: bool,
+                  logprobs: bool) -> pa.Schema:
+    """Every input column unchanged, then `id`, the per-sample stats and optional lists."""
+    added = [pa.field("id", _id_type(input_schema, spec)), *STAT_FIELDS]
+    if save_token_ids:
+        added += TOKEN_ID_FIELDS
+    if logprobs:
+        added += LOGPROB_FIELDS
+    reuse_id = spec.id_column == "id"
+    clash = [f.name for f in added if f.name in input_schema.names
+             and not (f.name == "id" and reuse_id)]
+    if clash:
+        raise JobError(f"INPUT column(s) {', '.join(clash)} have the names of output columns; "
+                       "rename them in the input")
+    if reuse_id:
+        added = added[1:]
+    return pa.schema([*input_schema, *added])
+
+
+def _id_type(input_schema: pa.Schema, spec: PromptSpec) -> pa.DataType:
+    if spec.id_column is None:
+        return pa.int64()
+    type_ = input_schema.field(spec.id_column).type
+    return pa.string() if type_ == pa.null() else type_
+
+
+def error_rows(item: WorkItem) -> list[dict[str, Any]]:
+    """The one row of an input row that never reached the engine."""
+    return [{**item.row.values, "id": item.row_id, "sample_index": 0, "completion": None,
+             "output_tokens": 0, "finish_reason": "error", "preemptions": 0,
+             "error": item.error}]
+
+
+def sample_rows(item: WorkItem, out: RequestOutput, save_token_ids: bool,
+                logprobs: bool) -> list[dict[str, Any]]:
+    """One row per completion of a finished request (one row if the request failed)."""
+    prompt_tokens = len(out.prompt_token_ids) or None
+    if out.error is not None:
+        row = error_rows(WorkItem(item.row, item.row_id, error=out.error))[0]
+        row["prompt_tokens"] = prompt_tokens
+        return [row]
+    rows = []
+    for c in out.outputs:
+        m = c.metrics or out.metrics
+        row = {**item.row.values, "id": item.row_id, "sample_index": c.index,
+               "completion": c.text, "prompt_tokens": prompt_tokens,
+               "cached_tokens": out.num_cached_tokens, "output_tokens": len(c.token_ids),
+               "finish_reason": c.finish_reason, "preemptions": m.num_preemptions if m else 0,
+               "error": None}
+        if m is not None:
+            row.update(queue_s=m.queue_s, ttft_s=m.ttft_s, tpot_s=m.tpot_s(len(c.token_ids)),
+                       e2e_s=m.e2e_s)
+        if save_token_ids:
+            row.update(prompt_token_ids=out.prompt_token_ids, token_ids=c.token_ids)
+        if logprobs:
+            row.update(cumulative_logprob=c.cumulative_logprob, logprobs=_logprob_lists(c))
+        rows.append(row)
+    return rows
+
+
+def _logprob_lists(c: CompletionOutput) -> list[list[dict[str, Any]]] | None:
+    if c.logprobs is None:
+        return None
+    return [[{"token_id": tid, "token": lp.decoded_token, "logprob": lp.logprob, "rank": lp.rank}
+             for tid, lp in step.items()] for step in c.logprobs]
+
+
+def to_table(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
+    """Rows as a table of `schema`; a value that does not fit its column becomes null
+    (only the values of rows already marked failed can be like that, see schema.py)."""
+    arrays = []
+    for f in schema:
+        column = [r.get(f.name) for r in rows]
+        try:
+            arrays.append(pa.array(column, type=f.type))
+        except (pa.ArrowException, OverflowError, TypeError, ValueError):
+            arrays.append(pa.array([_fit(v, f.type) for v in column], type=f.type))
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def _fit(value: Any, type_: pa.DataType) -> Any:
+    try:
+        pa.scalar(value, type=type_)
+        return value
+    except (pa.ArrowException, OverflowError, TypeError, ValueError):
+        return None
+
+
+class PartWriter:
+    """Buffers finished rows and commits them as a part every `commit_rows` input rows or
+    `commit_seconds` seconds, whichever comes first."""
+
+    def __init__(self, outdir: OutputDir, manifest: Manifest, schema: pa.Schema,
+                 done: RangeSet, commit_rows: int, commit_seconds: float):
+        self.outdir = outdir
+        self.manifest = manifest
+        self.schema = schema
+        self.done = done
+        self.commit_rows = commit_rows
+        self.commit_seconds = commit_seconds
+        self.started = time.monotonic()
+        self.run = manifest.runs[-1]
+        self._rows: list[tuple[int, int, dict[str, Any]]] = []
+        self._indices: list[int] = []
+        self._last_commit = self.started
+
+    @property
+    def pending(self) -> int:
+        """Input rows finished but not committed yet."""
+        return len(self._indices)
+
+    def add(self, index: int, rows: list[dict[str, Any]]) -> None:
+        self._indices.append(index)
+        self._rows.extend((index, r["sample_index"], r) for r in rows)
+
+    def due(self) -> bool:
+        if not self._indices:
+            return False
+        return (len(self._indices) >= self.commit_rows
+                or time.monotonic() - self._last_commit >= self.commit_seconds)
+
+    def commit(self, complete: bool = False) -> int:
+        """Commit what is buffered (and record the run's time); returns the input rows."""
+        count = len(self._indices)
+        self.run["wall_s"] = round(time.monotonic() - self.started, 3)
+        self.manifest.complete = complete
+        if count:
+            self._rows.sort(key=lambda t: (t[0], t[1]))
+            table = to_table([r for _, _, r in self._rows], self.schema)
+            self.done.update(self._indices)
+            self.run["input_rows"] = self.run.get("input_rows", 0) + count
+            self.outdir.commit(self.manifest, table, count, self.done)
+        else:
+            self.outdir.save(self.manifest)
+        self._rows, self._indices = [], []
+        self._last_commit = time.monotonic()
+        return count

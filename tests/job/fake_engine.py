@@ -1,0 +1,93 @@
+"""A stand-in engine with LLMEngine's interface that "completes" every request at once.
+
+It lets the job machinery (reading, ordering, committing, metrics) be tested at scale
+without a model: each step finishes up to max_num_seqs requests; the completion is a
+deterministic function of the prompt, so runs can be compared.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from batchinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from batchinfer.sampling_params import SamplingParams
+
+
+@dataclass
+class FakeConfig:
+    max_num_seqs: int = 64
+    max_model_len: int = 1 << 20
+
+
+class FakeTokenizer:
+    chat_template = "fake"
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+
+class FakeEngine:
+    def __init__(self, max_num_seqs: int = 64, max_model_len: int = 1 << 20):
+        self.config = FakeConfig(max_num_seqs, max_model_len)
+        self.tokenizer = FakeTokenizer()
+        self._queue: deque[tuple[str, list[int], SamplingParams, float, str | None]] = deque()
+        self.num_added = 0
+
+    @classmethod
+    def factory(cls, model: str, kwargs: dict[str, Any]) -> "FakeEngine":
+        return cls(kwargs.get("max_num_seqs", 64), kwargs.get("max_model_len") or 1 << 20)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        error = None
+        if not ids:
+            error = "prompt has no tokens"
+        elif len(ids) >= self.config.max_model_len:
+            error = f"prompt has {len(ids)} tokens but max_model_len is {self.config.max_model_len}"
+        self._queue.append((request_id, ids, params, arrival_time or time.monotonic(), error))
+        self.num_added += 1
+
+    def step(self) -> list[RequestOutput]:
+        outputs = []
+        now = time.monotonic()
+        for _ in range(min(self.config.max_num_seqs, len(self._queue))):
+            request_id, ids, params, arrival, error = self._queue.popleft()
+            metrics = RequestMetrics(arrival, now, now, now)
+            if error is not None:
+                outs = [CompletionOutput(0, "", [], None, None, "error", metrics=metrics)]
+                outputs.append(RequestOutput(request_id, None, [], outs, True, 0, metrics, error))
+                continue
+            length = min(params.max_tokens or 16, 4)
+            tokens = ids[-length:]
+            outs = [CompletionOutput(i, f"echo{i}:" + bytes(tokens).decode("utf-8", "replace"),
+                                     tokens, None, None, "length", metrics=metrics)
+                    for i in range(params.n)]
+            outputs.append(RequestOutput(request_id, None, ids, outs, True, 0, metrics))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._queue)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._queue)
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        drop = set(request_ids)
+        self._queue = deque(r for r in self._queue if r[0] not in drop)
+
+    def stats(self) -> dict[str, Any]:
+        return {"prefix_cache_queried_tokens": 0, "prefix_cache_hit_tokens": 0,
+                "num_preemptions": 0, "num_free_blocks": 0, "num_total_blocks": 0,
+                "num_running": 0, "num_waiting": len(self._queue), "kv_cache_usage": 0.0}
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list")
+        for m in messages:
+            if not (isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise ValueError("each message must be a dict with string 'role' and 'content'")
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        return self.tokenizer.encode(text + ("<assistant>" if add_generation_prompt else ""))
