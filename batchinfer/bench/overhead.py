@@ -16,7 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from batchinfer.bench.engine_run import kv_occupancy
 from batchinfer.sampling_params import SamplingParams
+
+FILL_TOKEN_BUDGET = 65536
 
 
 class ZeroModel(torch.nn.Module):
@@ -56,6 +59,7 @@ class ZeroModel(torch.nn.Module):
 class OverheadResult:
     num_seqs: int
     context_len: int
+    mean_context_len: float       # context at the end of the measurement (prefill + output)
     steps: int
     cpu_ms_per_step: float        # median of time.process_time() per step
     wall_ms_per_step: float       # median of time.perf_counter() per step
@@ -63,7 +67,8 @@ class OverheadResult:
     wall_ms_per_step_mean: float
 
     def line(self) -> str:
-        return (f"Engine overhead: {self.num_seqs} seqs x {self.context_len} context: "
+        return (f"Engine overhead: {self.num_seqs} seqs x {self.context_len} context "
+                f"(mean {self.mean_context_len:.0f} at the end): "
                 f"{self.cpu_ms_per_step:.3f} ms CPU/step, {self.wall_ms_per_step:.3f} ms wall/step "
                 f"(median of {self.steps} decode steps)")
 
@@ -87,15 +92,18 @@ def measure_overhead(model_path: str, num_seqs: int, context_len: int, steps: in
                      device: str | None = None) -> OverheadResult:
     """Per-step engine time with num_seqs sequences decoding at context_len tokens."""
     from batchinfer.engine.engine import LLMEngine
-    # Tokens each sequence generates: one at the end of its prefill, one in the step that
-    # finds the prefill done, then the warm-up and measured steps; plus slack.
-    max_new = warmup_steps + steps + 4
+    # A large token budget keeps the fill short, so that sequences whose prefill ends early
+    # decode only a few tokens before the measurement starts. Each sequence generates at
+    # most one token per fill step, then the warm-up and measured steps; plus slack.
+    budget = max(num_seqs, min(num_seqs * context_len, FILL_TOKEN_BUDGET))
+    fill_steps = -(-num_seqs * context_len // budget) + 1
+    max_new = fill_steps + warmup_steps + steps + 4
     max_len = context_len + max_new + 1
     blocks_per_seq = -(-max_len // block_size)
     engine = LLMEngine.from_kwargs(
         model=model_path, load_format="dummy", dtype=dtype, seed=seed, block_size=block_size,
         enable_prefix_caching=enable_prefix_caching, max_num_seqs=num_seqs,
-        max_num_batched_tokens=max(8192, num_seqs), max_model_len=max_len,
+        max_num_batched_tokens=budget, max_model_len=max_len,
         num_kv_blocks=num_seqs * blocks_per_seq + 1, attention_backend=attention_backend,
         device=device)
     try:
@@ -118,13 +126,13 @@ def measure_overhead(model_path: str, num_seqs: int, context_len: int, steps: in
             wall.append(time.perf_counter() - w0)
             if finished:
                 raise RuntimeError("a sequence finished during the overhead measurement")
-        running = engine.stats()["num_running"]
+        running, context, _, _ = kv_occupancy(engine)
         if running != num_seqs:
             raise RuntimeError(f"only {running} of {num_seqs} sequences were running; the KV "
                                "pool or max_num_seqs is too small")
     finally:
         del engine
         gc.collect()
-    return OverheadResult(num_seqs, context_len, steps,
+    return OverheadResult(num_seqs, context_len, context / num_seqs, steps,
                           statistics.median(cpu) * 1e3, statistics.median(wall) * 1e3,
                           statistics.fmean(cpu) * 1e3, statistics.fmean(wall) * 1e3)

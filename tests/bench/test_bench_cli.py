@@ -109,7 +109,7 @@ def test_model_stub_reports_ms_per_step(cache_dir):
     for r in summary["overhead"]:
         assert r["context_len"] == 40 and r["steps"] == 4
         assert 0 < r["cpu_ms_per_step"] < 1000 and 0 < r["wall_ms_per_step"] < 1000
-    assert len(re.findall(r"^Engine overhead: \d+ seqs x 40 context: [\d.]+ ms CPU/step",
+    assert len(re.findall(r"^Engine overhead: \d+ seqs x 40 context \(mean \d+ at the end\): [\d.]+ ms CPU/step",
                           out, re.M)) == 2
 
 
