@@ -1,0 +1,208 @@
+"""End to end through `batchinfer run`: every input format gives the Python API's completions,
+every input column unchanged, and the documented output columns."""
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+
+from batchinfer import SamplingParams
+
+PROMPTS = ["The river runs", "Once upon a time", "In the morning the", "A short note on",
+           "The river runs fast", "Numbers are"]
+GREEDY = SamplingParams(max_tokens=5, temperature=0.0)
+SAMPLING_FLAGS = ["--max-tokens", "5", "--temperature", "0"]
+STAT_COLUMNS = {
+    "id": None, "sample_index": pa.int32(), "completion": pa.string(),
+    "prompt_tokens": pa.int64(), "cached_tokens": pa.int64(), "output_tokens": pa.int64(),
+    "finish_reason": pa.string(), "queue_s": pa.float64(), "ttft_s": pa.float64(),
+    "tpot_s": pa.float64(), "e2e_s": pa.float64(), "preemptions": pa.int64(),
+    "error": pa.string(),
+}
+
+
+def read_output(outdir) -> pa.Table:
+    table = ds.dataset(outdir).to_table()
+    for name, type_ in STAT_COLUMNS.items():
+        assert name in table.column_names, name
+        if type_ is not None:
+            assert table.schema.field(name).type == type_, name
+    return table.sort_by([("id", "ascending"), ("sample_index", "ascending")])
+
+
+def generate(llm, prompts, params=GREEDY) -> list[str]:
+    return [o.outputs[0].text for o in llm.generate(prompts, params)]
+
+
+def check_ok(result) -> None:
+    assert result.exit_code == 0, result.output
+
+
+@pytest.fixture
+def expected(reference_llm) -> list[str]:
+    return generate(reference_llm, PROMPTS)
+
+
+def test_parquet_keeps_columns_and_matches_generate(tmp_path, run_cli, reference_llm, expected):
+    source = pa.table({
+        "prompt": PROMPTS,
+        "score": [1.5, 2.0, None, 4.0, 5.0, 6.25],
+        "meta": [{"k": i, "tags": ["a"] * i} for i in range(len(PROMPTS))],
+    })
+    pq.write_table(source, tmp_path / "in.parquet")
+    result = run_cli(tmp_path / "in.parquet", "-o", tmp_path / "out", *SAMPLING_FLAGS)
+    check_ok(result)
+    table = read_output(tmp_path / "out")
+    assert table.column("id").to_pylist() == list(range(len(PROMPTS)))
+    assert table.select(source.column_names).equals(source)
+    assert table.column("completion").to_pylist() == expected
+    assert set(table.column("finish_reason").to_pylist()) <= {"stop", "length"}
+    assert table.column("error").null_count == len(PROMPTS)
+    outs = reference_llm.generate(PROMPTS, GREEDY)
+    assert table.column("prompt_tokens").to_pylist() == [len(o.prompt_token_ids) for o in outs]
+    assert table.column("output_tokens").to_pylist() == [len(o.outputs[0].token_ids) for o in outs]
+    summary = json.loads((tmp_path / "out" / "__batchinfer__" / "summary.json").read_text())
+    assert summary["rows"] == len(PROMPTS) and summary["errors"] == 0
+    assert summary["output_tokens"] == sum(table.column("output_tokens").to_pylist())
+    for key in ("prompt_tokens", "cached_tokens", "wall_s", "rows_per_s", "output_tokens_per_s",
+                "total_tokens_per_s", "prefix_cache_hit_rate", "preemptions",
+                "queue_s_p50", "ttft_s_p90", "tpot_s_p99", "e2e_s_p50"):
+        assert key in summary, key
+
+
+def test_jsonl_with_id_column_n_and_extra_columns(tmp_path, run_cli, reference_llm):
+    rows = [{"key": f"r{i}", "prompt": p, "extra": {"i": i} if i % 2 else None}
+            for i, p in enumerate(PROMPTS)]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = run_cli(tmp_path / "in.jsonl", "-o", tmp_path / "out", "--id-column", "key",
+                     "--n", "2", "--save-token-ids", "--logprobs", "2", *SAMPLING_FLAGS)
+    check_ok(result)
+    table = read_output(tmp_path / "out")
+    assert table.num_rows == 2 * len(PROMPTS)
+    assert table.column("id").to_pylist() == [f"r{i}" for i in range(len(PROMPTS)) for _ in "ab"]
+    assert table.column("sample_index").to_pylist() == [0, 1] * len(PROMPTS)
+    assert table.column("extra").to_pylist()[::2] == [r["extra"] for r in rows]
+    outs = reference_llm.generate(PROMPTS, SamplingParams(max_tokens=5, temperature=0.0, n=2))
+    assert table.column("completion").to_pylist() == [c.text for o in outs for c in o.outputs]
+    assert table.column("token_ids").to_pylist() == [c.token_ids for o in outs for c in o.outputs]
+    assert table.column("prompt_token_ids").to_pylist()[::2] == [o.prompt_token_ids for o in outs]
+    logprobs = table.column("logprobs").to_pylist()
+    assert all(len(steps) == n for steps, n in zip(logprobs, table.column("output_tokens").to_pylist()))
+    assert all(any(e["token_id"] == tid for e in step)
+               for steps, tids in zip(logprobs, table.column("token_ids").to_pylist())
+               for step, tid in zip(steps, tids))
+
+
+def test_csv_infers_numbers_keeps_text(tmp_path, run_cli, expected):
+    lines = ["prompt,count,code"] + [f'"{p}",{i},00{i}x' for i, p in enumerate(PROMPTS)]
+    (tmp_path / "in.csv").write_text("\n".join(lines) + "\n")
+    check_ok(run_cli(tmp_path / "in.csv", "-o", tmp_path / "out", *SAMPLING_FLAGS))
+    table = read_output(tmp_path / "out")
+    assert table.schema.field("count").type == pa.int64()
+    assert table.column("count").to_pylist() == list(range(len(PROMPTS)))
+    assert table.column("code").to_pylist() == [f"00{i}x" for i in range(len(PROMPTS))]
+    assert table.column("completion").to_pylist() == expected
+
+
+def test_directory_of_files_numbers_rows_across_files(tmp_path, run_cli, expected):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:4]))
+    (data / "b.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[4:]))
+    (data / "_ignored.jsonl").write_text('{"prompt": "not me"}\n')
+    check_ok(run_cli(data, "-o", tmp_path / "out", *SAMPLING_FLAGS))
+    table = read_output(tmp_path / "out")
+    assert table.column("id").to_pylist() == list(range(len(PROMPTS)))
+    assert table.column("completion").to_pylist() == expected
+
+
+def test_save_to_disk_and_hf_local(tmp_path, run_cli, expected):
+    import datasets
+    datasets.Dataset.from_dict({"prompt": PROMPTS, "n": list(range(len(PROMPTS)))}).save_to_disk(
+        str(tmp_path / "saved"))
+    check_ok(run_cli(tmp_path / "saved", "-o", tmp_path / "out1", *SAMPLING_FLAGS))
+    assert read_output(tmp_path / "out1").column("completion").to_pylist() == expected
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "train.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    check_ok(run_cli(f"hf:{repo}:train", "-o", tmp_path / "out2", *SAMPLING_FLAGS))
+    assert read_output(tmp_path / "out2").column("completion").to_pylist() == expected
+
+
+def test_messages_column_and_system_prompt(tmp_path, run_cli, reference_llm):
+    convs = [[{"role": "user", "content": p}] for p in PROMPTS[:3]]
+    convs.append([{"role": "system", "content": "Own system."}, {"role": "user", "content": "Hi"}])
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
+    (tmp_path / "system.txt").write_text("Answer briefly.")
+    check_ok(run_cli(tmp_path / "in.jsonl", "-o", tmp_path / "out", "--system-prompt",
+                     f"@{tmp_path / 'system.txt'}", *SAMPLING_FLAGS))
+    table = read_output(tmp_path / "out")
+    system = {"role": "system", "content": "Answer briefly."}
+    reference = [[system, *c] for c in convs[:3]] + [convs[3]]  # a row's own system message wins
+    expected = [o.outputs[0].text for o in reference_llm.chat(reference, GREEDY)]
+    assert table.column("completion").to_pylist() == expected
+    assert table.column("messages").to_pylist() == convs
+
+    # With a prompt column, --system-prompt turns each prompt into a chat.
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    check_ok(run_cli(tmp_path / "p.jsonl", "-o", tmp_path / "out2", "--system-prompt",
+                     "Answer briefly.", *SAMPLING_FLAGS))
+    chats = [[system, {"role": "user", "content": p}] for p in PROMPTS]
+    expected = [o.outputs[0].text for o in reference_llm.chat(chats, GREEDY)]
+    assert read_output(tmp_path / "out2").column("completion").to_pylist() == expected
+
+
+def test_openai_batch_input_and_output(tmp_path, run_cli, reference_llm):
+    lines = [
+        {"custom_id": "chat-1", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "x", "messages": [{"role": "user", "content": "Hello"}],
+                  "max_tokens": 3, "temperature": 0}},
+        {"custom_id": "cmpl-1", "method": "POST", "url": "/v1/completions",
+         "body": {"model": "x", "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0,
+                  "stop": ["zzzz"]}},
+        {"custom_id": "bad-1", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "x", "messages": [{"role": "user", "content": "Hi"}],
+                  "temperature": -1}},
+    ]
+    (tmp_path / "batch.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    result = run_cli(tmp_path / "batch.jsonl", "-o", tmp_path / "out", "--output-format",
+                     "openai", "--max-tokens", "7")
+    check_ok(result)
+    table = read_output(tmp_path / "out")
+    by_id = {r["id"]: r for r in table.to_pylist()}
+    chat = reference_llm.chat([[{"role": "user", "content": "Hello"}]],
+                              SamplingParams(max_tokens=3, temperature=0))[0].outputs[0]
+    cmpl = reference_llm.generate(["Once upon a time"],
+                                  SamplingParams(max_tokens=4, temperature=0, stop=["zzzz"]))[0]
+    assert by_id["chat-1"]["completion"] == chat.text
+    assert by_id["chat-1"]["output_tokens"] == len(chat.token_ids) <= 3
+    assert by_id["cmpl-1"]["completion"] == cmpl.outputs[0].text
+    assert by_id["bad-1"]["finish_reason"] == "error" and "temperature" in by_id["bad-1"]["error"]
+    assert by_id["chat-1"]["custom_id"] == "chat-1" and by_id["chat-1"]["url"] == lines[0]["url"]
+
+    out_lines = [json.loads(s) for s in
+                 (tmp_path / "out" / "__batchinfer__" / "openai_output.jsonl").read_text().splitlines()]
+    responses = {o["custom_id"]: o["response"] for o in out_lines}
+    assert set(responses) == {"chat-1", "cmpl-1", "bad-1"}
+    assert responses["chat-1"]["status_code"] == 200
+    body = responses["chat-1"]["body"]
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": chat.text}
+    assert body["usage"]["completion_tokens"] == len(chat.token_ids)
+    assert responses["cmpl-1"]["body"]["choices"][0]["text"] == cmpl.outputs[0].text
+    assert responses["bad-1"]["status_code"] == 400
+
+
+def test_output_reads_with_datasets(tmp_path, run_cli):
+    import datasets
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    check_ok(run_cli(tmp_path / "in.jsonl", "-o", tmp_path / "out", "--commit-rows", "2",
+                     "--max-num-seqs", "2", *SAMPLING_FLAGS))
+    loaded = datasets.load_dataset("parquet", data_dir=str(tmp_path / "out"),
+                                   cache_dir=str(tmp_path / "cache"), split="train")
+    assert sorted(loaded["id"]) == list(range(len(PROMPTS)))
+    assert len(list((tmp_path / "out").glob("part-*.parquet"))) >= 2
