@@ -3,7 +3,6 @@ transformers baseline (--baseline hf), prefix caching on vs off (--compare-prefi
 engine overhead with the model stubbed out (--model-stub), and `bench kernels`."""
 from __future__ import annotations
 
-import inspect
 import json
 import re
 from pathlib import Path
@@ -41,7 +40,29 @@ def _positive(ctx, param, value):
     return value
 
 
-@click.group(invoke_without_command=True,
+class _BenchGroup(click.Group):
+    """`bench` runs the throughput benchmark itself; `bench kernels` is the attention-kernel
+    benchmark (batchinfer.bench.kernels), imported only when asked for."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return ["kernels"]
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name != "kernels":
+            return None
+        try:
+            from batchinfer.bench.kernels import main as kernels_main
+        except ImportError as e:
+            error = str(e)
+
+            @click.command("kernels", help="GPU attention-kernel benchmarks (unavailable).")
+            def unavailable() -> None:
+                raise click.ClickException(f"the kernel benchmarks are not available: {error}")
+            return unavailable
+        return kernels_main
+
+
+@click.group(cls=_BenchGroup, invoke_without_command=True,
              context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
 @click.option("--model", default="tiny",
               help="Checkpoint directory, or a named random-weight shape (tiny, smollm2-135m, "
@@ -119,20 +140,3 @@ def bench(ctx: click.Context, **opts) -> None:
     if opts["output_json"] is not None:
         opts["output_json"].parent.mkdir(parents=True, exist_ok=True)
         opts["output_json"].write_text(json.dumps(summary, indent=2) + "\n")
-
-
-@bench.command("kernels", context_settings={"ignore_unknown_options": True,
-                                            "allow_extra_args": True})
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def kernels(args: tuple[str, ...]) -> None:
-    """GPU attention-kernel benchmarks (arguments go to the kernel benchmark)."""
-    try:
-        from batchinfer.bench.kernels import main as kernels_main
-    except ImportError as e:
-        raise click.ClickException(f"the kernel benchmarks are not available: {e}") from None
-    if isinstance(kernels_main, click.Command):
-        kernels_main.main(args=list(args), prog_name="batchinfer bench kernels")
-    elif inspect.signature(kernels_main).parameters:
-        kernels_main(list(args))
-    else:
-        kernels_main()

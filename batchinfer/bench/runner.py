@@ -96,6 +96,19 @@ def _run_ours(source: ModelSource, opts: dict, requests, enable_prefix_caching: 
     return summary, facts
 
 
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
 def run_bench(opts: dict) -> dict:
     """The throughput benchmark; prints the human-readable lines, returns the summary."""
     source = resolve_model(opts["model"], need_weights=opts["baseline"] == "hf",
@@ -123,12 +136,14 @@ def run_bench(opts: dict) -> dict:
         summary["baselines"] = {r.name: report.baseline_summary(r, len(requests)) for r in runs}
         summary["baseline_weights"] = "identical" if source.has_weights else "seeded random"
         summary["ratios"] = {r.name: r.elapsed_s / summary["elapsed_time"] for r in runs}
+        if "prefix_caching_off" in summary:
+            off = summary["prefix_caching_off"]
+            off["ratios"] = {r.name: r.elapsed_s / off["elapsed_time"] for r in runs}
 
     summary.update({
         "model": opts["model"], "model_path": source.path, "load_format": source.load_format,
         "dtype": str(facts["dtype"]).removeprefix("torch."), "device": str(facts["device"]),
-        "device_name": (torch.cuda.get_device_name(facts["device"])
-                        if facts["device"].type == "cuda" else platform.processor() or "cpu"),
+        "device_name": _device_name(facts["device"]),
         "torch_threads": torch.get_num_threads(),
         "workload": {"name": facts["workload"], **workload_stats(requests)},
         "engine": {**_engine_kwargs(opts, opts["enable_prefix_caching"]),

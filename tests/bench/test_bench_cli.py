@@ -125,3 +125,9 @@ def test_bad_flags_are_usage_errors(cache_dir, args, message):
                                         "--num-prompts", "1", "--num-kv-blocks", "96", *args])
     assert result.exit_code == 2, result.output
     assert message in result.output
+
+
+def test_kernels_subcommand_is_wired():
+    result = CliRunner().invoke(bench, ["kernels", "--help"])
+    assert result.exit_code == 0, result.output
+    assert "Usage: bench kernels" in result.output
