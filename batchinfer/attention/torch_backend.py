@@ -4,6 +4,10 @@ Per step (not per layer) it turns block tables into gather indices and masks; pe
 it writes the new K/V into the cache and runs SDPA on the gathered context.
 Decodes run as one batched call with the query heads of each KV head folded into the
 query-length axis (no K/V expansion for GQA); prefill chunks run one call each.
+When all decodes share leading blocks (a common system prompt), those blocks are attended
+once for the whole batch (one dense matmul over the shared K/V) and only each sequence's own
+tail is gathered; the two partial results are merged by their log-sum-exp (cascade
+attention). That cuts the bytes copied per layer by the shared fraction of the context.
 """
 from __future__ import annotations
 
@@ -27,23 +31,79 @@ def _slots(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int)
     return blocks * block_size + positions % block_size
 
 
+def _flash_with_lse(q, k, v, mask, scale):
+    """CPU flash attention returning (out, logsumexp); q/k/v [B, H, L, D]."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, False, attn_mask=mask, scale=scale)[:2]
+    return out, lse
+
+
+def _shared_prefix_blocks(block_tables: torch.Tensor, seq_lens: list[int], block_size: int) -> int:
+    """Leading block ids common to every row, leaving each row at least one own token."""
+    if block_tables.shape[0] < 2:
+        return 0
+    limit = (min(seq_lens) - 1) // block_size
+    if limit <= 0:
+        return 0
+    same = (block_tables[:, :limit] == block_tables[:1, :limit]).all(dim=0)
+    differ = torch.nonzero(~same)
+    return int(differ[0, 0]) if differ.numel() else limit
+
+
 class TorchAttention:
     name = "torch"
+    # Below this many shared tokens the extra call costs more than the saved copying.
+    min_cascade_tokens = 64
 
-    def _decode_plan(self, meta: AttentionMetadata, window: int | None):
-        key = ("decode", window)
+    def _decode_plan(self, meta: AttentionMetadata, window: int | None, dtype: torch.dtype):
+        key = ("decode", window, dtype)
         if key not in meta.cache:
             nd = meta.num_decode_seqs
+            bs = meta.block_size
             seq_lens = meta.seq_lens[:nd].long()
-            max_len = int(max(meta.seq_lens_cpu[:nd]))
-            pos = torch.arange(max_len, device=seq_lens.device)
+            lens_cpu = meta.seq_lens_cpu[:nd]
+            shared = 0
+            if window is None or max(lens_cpu) <= window:
+                shared = _shared_prefix_blocks(meta.block_tables[:nd], lens_cpu, bs)
+                if shared * bs < self.min_cascade_tokens:
+                    shared = 0
+            start = shared * bs
+            pos = torch.arange(start, max(lens_cpu), device=seq_lens.device)
             valid = pos[None, :] < seq_lens[:, None]
             if window is not None:
                 valid &= pos[None, :] > (seq_lens[:, None] - 1 - window)
-            pos = torch.minimum(pos[None, :], (seq_lens - 1).clamp(min=0)[:, None])
-            slots = _slots(meta.block_tables[:nd], pos, meta.block_size)
-            meta.cache[key] = (slots, valid[:, None, None, :])
+            pos = torch.minimum(pos[None, :], (seq_lens - 1)[:, None])
+            slots = _slots(meta.block_tables[:nd], pos, bs)
+            mask = torch.zeros(valid.shape, dtype=dtype, device=valid.device)
+            mask.masked_fill_(~valid, float("-inf"))
+            prefix_slots = None
+            if shared:
+                prefix_slots = _slots(meta.block_tables[:1], torch.arange(start, device=pos.device)[None], bs)[0]
+            meta.cache[key] = (slots.flatten(), slots.shape, mask[:, None, None, :], prefix_slots)
         return meta.cache[key]
+
+    def _decode(self, q, k_flat, v_flat, meta, window, scale):
+        """q [nd, Hkv, group, D] -> [nd, Hkv, group, D]."""
+        nd, num_kv_heads, group, head_dim = q.shape
+        slots, shape, mask, prefix_slots = self._decode_plan(meta, window, q.dtype)
+        k = k_flat.index_select(0, slots).view(*shape, num_kv_heads, head_dim).transpose(1, 2)
+        v = v_flat.index_select(0, slots).view(*shape, num_kv_heads, head_dim).transpose(1, 2)
+        if prefix_slots is None:
+            return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
+                                                  scale=scale)
+        own, own_lse = _flash_with_lse(q, k.to(q.dtype), v.to(q.dtype), mask, scale)
+        # every query row of the batch against the shared prefix, as one [Hkv, nd*group] block
+        qp = q.permute(1, 0, 2, 3).reshape(1, num_kv_heads, nd * group, head_dim)
+        kp = k_flat.index_select(0, prefix_slots).transpose(0, 1)[None].to(q.dtype)
+        vp = v_flat.index_select(0, prefix_slots).transpose(0, 1)[None].to(q.dtype)
+        shared, shared_lse = _flash_with_lse(qp, kp, vp, None, scale)
+        shared = shared.view(num_kv_heads, nd, group, head_dim).transpose(0, 1)
+        shared_lse = shared_lse.view(num_kv_heads, nd, group).transpose(0, 1)
+        top = torch.maximum(own_lse, shared_lse)
+        w_own = torch.exp(own_lse - top)[..., None]
+        w_shared = torch.exp(shared_lse - top)[..., None]
+        merged = (own.float() * w_own + shared.float() * w_shared) / (w_own + w_shared)
+        return merged.to(q.dtype)
 
     def _prefill_plan(self, meta: AttentionMetadata, window: int | None):
         key = ("prefill", window)
@@ -77,17 +137,14 @@ class TorchAttention:
         out = torch.empty_like(query)
         nd = meta.num_decode_seqs
         if nd:
-            slots, valid = self._decode_plan(meta, sliding_window)
             q = query[:nd].view(nd, num_kv_heads, group, head_dim)
-            k = k_flat[slots].transpose(1, 2)  # [nd, Hkv, S, D]
-            v = v_flat[slots].transpose(1, 2)
-            o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=valid, scale=scale)
+            o = self._decode(q, k_flat, v_flat, meta, sliding_window, scale)
             out[:nd] = o.reshape(nd, num_heads, head_dim)
         if nd < meta.num_seqs:
             for start, end, slots, mask in self._prefill_plan(meta, sliding_window):
                 q = query[start:end].transpose(0, 1)[None]          # [1, H, L, D]
-                k = k_flat[slots].transpose(0, 1)[None].to(q.dtype)  # [1, Hkv, S, D]
-                v = v_flat[slots].transpose(0, 1)[None].to(q.dtype)
+                k = k_flat.index_select(0, slots).transpose(0, 1)[None].to(q.dtype)  # [1, Hkv, S, D]
+                v = v_flat.index_select(0, slots).transpose(0, 1)[None].to(q.dtype)
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                                    enable_gqa=group > 1)
                 out[start:end] = o[0].transpose(0, 1)

@@ -48,7 +48,9 @@ def _hf_hub_cache() -> Path:
 
 def architecture(hf_config) -> str:
     archs = getattr(hf_config, "architectures", None) or []
-    for arch in archs:
+    by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+    for arch in archs or [by_type.get(getattr(hf_config, "model_type", ""), "")]:
         if arch in ARCHITECTURES:
             return arch
     raise ValueError(f"model architecture {archs or hf_config.model_type!r} is not supported; "
