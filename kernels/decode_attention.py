@@ -3,7 +3,7 @@
 A program owns one (sequence, KV head) pair and serves all query heads of that KV head at
 once (GQA), so every K/V tile is loaded once per group. The query heads are padded to 16
 rows so both products are tensor-core sized tl.dot calls. With split-KV (flash-decoding)
-the context is cut into NUM_SPLITS ranges handled by separate programs, each writing an
+the context is cut into num_splits ranges handled by separate programs, each writing an
 unnormalised partial result, and a second kernel merges them.
 """
 from __future__ import annotations
@@ -23,9 +23,9 @@ MAX_SPLITS = 64
 @triton.jit
 def _paged_decode_kernel(
     out_ptr,           # [num_seqs, num_heads, head_dim] (SPLIT=False)
-    part_acc_ptr,      # [num_seqs, num_heads, NUM_SPLITS, head_dim] float32, contiguous (SPLIT=True)
-    part_max_ptr,      # [num_seqs, num_heads, NUM_SPLITS] float32, contiguous (SPLIT=True)
-    part_sum_ptr,      # [num_seqs, num_heads, NUM_SPLITS] float32, contiguous (SPLIT=True)
+    part_acc_ptr,      # [num_seqs, num_heads, num_splits, head_dim] float32, contiguous (SPLIT=True)
+    part_max_ptr,      # [num_seqs, num_heads, num_splits] float32, contiguous (SPLIT=True)
+    part_sum_ptr,      # [num_seqs, num_heads, num_splits] float32, contiguous (SPLIT=True)
     q_ptr,             # [num_seqs, num_heads, head_dim]
     k_cache_ptr,       # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,       # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -33,6 +33,7 @@ def _paged_decode_kernel(
     seq_lens_ptr,      # [num_seqs] int32
     scale_log2,        # softmax scale * log2(e)
     window,            # sliding window W (USE_WINDOW)
+    num_splits,        # context ranges per sequence (SPLIT)
     stride_qs, stride_qh, stride_qd,
     stride_os, stride_oh, stride_od,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -46,7 +47,6 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     SPLIT: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     DOT_F32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -61,7 +61,7 @@ def _paged_decode_kernel(
     start = lo
     end = seq_len
     if SPLIT:
-        chunk = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        chunk = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
         start = lo + split * chunk
         end = tl.minimum(start + chunk, seq_len)
 
@@ -109,7 +109,7 @@ def _paged_decode_kernel(
         m_i = m_new
 
     if SPLIT:
-        part = (seq * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split
+        part = (seq * (GROUP * tl.num_programs(1)) + heads) * num_splits + split
         tl.store(part_max_ptr + part, m_i, mask=row_ok)
         tl.store(part_sum_ptr + part, l_i, mask=row_ok)
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc,
@@ -123,22 +123,22 @@ def _paged_decode_kernel(
 @triton.jit
 def _split_kv_reduce_kernel(
     out_ptr,           # [num_seqs, num_heads, head_dim]
-    part_acc_ptr,      # [num_seqs, num_heads, NUM_SPLITS, head_dim] float32, contiguous
-    part_max_ptr,      # [num_seqs, num_heads, NUM_SPLITS] float32, contiguous
-    part_sum_ptr,      # [num_seqs, num_heads, NUM_SPLITS] float32, contiguous
+    part_acc_ptr,      # [num_seqs, num_heads, num_splits, head_dim] float32, contiguous
+    part_max_ptr,      # [num_seqs, num_heads, num_splits] float32, contiguous
+    part_sum_ptr,      # [num_seqs, num_heads, num_splits] float32, contiguous
+    num_splits,
     stride_os, stride_oh, stride_od,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    S_PAD: tl.constexpr,
+    S_PAD: tl.constexpr,        # num_splits rounded up to a power of two
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, S_PAD)
-    split_ok = splits < NUM_SPLITS
+    split_ok = splits < num_splits
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
-    part = (seq * tl.num_programs(1) + head) * NUM_SPLITS + splits
+    part = (seq * tl.num_programs(1) + head) * num_splits + splits
     m = tl.load(part_max_ptr + part, mask=split_ok, other=float("-inf"))
     l = tl.load(part_sum_ptr + part, mask=split_ok, other=0.0)
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :],
@@ -185,7 +185,9 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     query [num_seqs, num_heads, head_dim]; the query of sequence i sits at position
     seq_lens[i] - 1 and its K/V are already in the cache. Grid: (num_seqs, num_kv_heads,
     num_splits) where num_splits comes from choose_num_splits unless given; with more than
-    one split the partials are merged by a second kernel over (num_seqs, num_heads).
+    one split the partials are merged by merge_split_kv. Each program walks its range in
+    tiles of block_n keys (default max(64, block_size)), looking up the block of every key,
+    so tiles need not line up with blocks.
     `scratch` (e.g. the step's AttentionMetadata.cache) keeps the partial buffers across
     layers. Returns `out` ([num_seqs, num_heads, head_dim], allocated when None).
     """
@@ -205,6 +207,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         if sliding_window is not None:
             max_seq_len = min(max_seq_len, sliding_window)
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, sm_count(query.device))
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     if block_n is None:
         block_n = max(64, k_cache.shape[1])
     dot_f32, precision = dot_settings(_paged_decode_kernel, query.dtype)
@@ -225,18 +229,32 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         part_acc = part_max = part_sum = out
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         out, part_acc, part_max, part_sum, query, k_cache, v_cache, block_tables, seq_lens,
-        scale * math.log2(math.e), sliding_window or 0,
+        scale * math.log2(math.e), sliding_window or 0, num_splits,
         *query.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
         block_tables.stride(0),
         HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group, G_PAD=max(16, next_power_of_2(group)),
         BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, USE_WINDOW=sliding_window is not None,
-        SPLIT=split, NUM_SPLITS=num_splits, DOT_F32=dot_f32, DOT_PRECISION=precision,
+        SPLIT=split, DOT_F32=dot_f32, DOT_PRECISION=precision,
         num_warps=4,
     )
     if split:
-        _split_kv_reduce_kernel[(num_seqs, num_heads)](
-            out, part_acc, part_max, part_sum, *out.stride(),
-            HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=num_splits,
-            S_PAD=next_power_of_2(num_splits), num_warps=4,
-        )
+        merge_split_kv(out, part_acc, part_max, part_sum)
+    return out
+
+
+def merge_split_kv(out: torch.Tensor, part_acc: torch.Tensor, part_max: torch.Tensor,
+                   part_sum: torch.Tensor) -> torch.Tensor:
+    """Combine split-KV partials into out [num_seqs, num_heads, head_dim].
+
+    part_acc [num_seqs, num_heads, num_splits, head_dim] holds each split's unnormalised
+    P @ V, part_max/part_sum its running max (log2 units) and softmax denominator; empty
+    splits carry max -inf and sum 0. Grid: one program per (sequence, query head), which
+    reads all splits at once (num_splits <= MAX_SPLITS).
+    """
+    num_seqs, num_heads, num_splits, head_dim = part_acc.shape
+    _split_kv_reduce_kernel[(num_seqs, num_heads)](
+        out, part_acc, part_max, part_sum, num_splits, *out.stride(),
+        HEAD_DIM=head_dim, D_PAD=next_power_of_2(head_dim),
+        S_PAD=next_power_of_2(num_splits), num_warps=4,
+    )
     return out

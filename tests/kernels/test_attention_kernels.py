@@ -90,7 +90,7 @@ def test_prefill_matches_reference(paged_batch, case):
     ref = ref_prefill_attention(b.query, b.k_cache, b.v_cache, m.block_tables, m.seq_lens,
                                 m.query_start_loc, SCALE, window)
     out = paged_prefill_attention(b.query, b.k_cache, b.v_cache, m.block_tables, m.seq_lens,
-                                  m.query_start_loc, SCALE, window, block_m=16, block_n=16)
+                                  m.query_start_loc, SCALE, window, block_m=32, block_n=16)
     torch.testing.assert_close(out.float(), ref, **TOLERANCES[b.query.dtype])
 
 
@@ -194,3 +194,13 @@ def test_offsets_past_2_pow_31_elements(device):
     qsl = torch.tensor([0, 1], dtype=torch.int32, device=device)
     out = paged_prefill_attention(query, cache, cache, far, seq_lens, qsl, SCALE)
     torch.testing.assert_close(out.float(), ref, **TOLERANCES[torch.float16])
+
+
+@pytest.mark.parametrize("num_splits", [0, 65])
+def test_rejects_a_split_count_out_of_range(paged_batch, num_splits):
+    b = paged_batch([4], [1], block_size=8, num_kv_heads=1, group=1, head_dim=16,
+                    dtype=torch.float32)
+    m = b.meta
+    with pytest.raises(ValueError, match="num_splits"):
+        paged_decode_attention(b.query, b.k_cache, b.v_cache, m.block_tables, m.seq_lens, SCALE,
+                               num_splits=num_splits)
