@@ -22,8 +22,8 @@ class TritonAttention:
                 scale: float, sliding_window: int | None = None) -> torch.Tensor:
         """query [T, H, D], key/value [T, Hkv, D] -> [T, H, D]; writes key/value first.
 
-        Per-step plans (decode split count, prefill tiles, partial buffers) live in
-        meta.cache, so every layer after the first reuses them.
+        The step's prefill tile plan and split-KV partial buffers live in meta.cache, so
+        every layer after the first reuses them.
         """
         write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
