@@ -22,10 +22,10 @@ MAX_SPLITS = 64
 
 @triton.jit
 def _paged_decode_kernel(
-    out_ptr,           # [num_seqs, num_heads, head_dim] (SPLIT=False)
-    part_acc_ptr,      # [num_seqs, num_heads, num_splits, head_dim] float32, contiguous (SPLIT=True)
-    part_max_ptr,      # [num_seqs, num_heads, num_splits] float32, contiguous (SPLIT=True)
-    part_sum_ptr,      # [num_seqs, num_heads, num_splits] float32, contiguous (SPLIT=True)
+    out_ptr,           # [num_seqs, num_heads, head_dim] (not SPLIT)
+    part_acc_ptr,      # [num_seqs, num_heads, num_splits, head_dim] float32, contiguous (SPLIT)
+    part_max_ptr,      # [num_seqs, num_heads, num_splits] float32, contiguous (SPLIT)
+    part_sum_ptr,      # [num_seqs, num_heads, num_splits] float32, contiguous (SPLIT)
     q_ptr,             # [num_seqs, num_heads, head_dim]
     k_cache_ptr,       # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,       # [num_blocks, block_size, num_kv_heads, head_dim]

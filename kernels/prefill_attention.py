@@ -134,7 +134,8 @@ def plan_prefill_tiles(query_start_loc_cpu: list[int], first_seq: int, block_q: 
     seq_ids = torch.arange(first_seq, first_seq + q_lens.numel())
     tile_seq = torch.repeat_interleave(seq_ids, tiles)
     first_tile = torch.cumsum(tiles, 0) - tiles
-    tile_q_start = (torch.arange(tile_seq.numel()) - torch.repeat_interleave(first_tile, tiles)) * block_q
+    tile_index = torch.arange(tile_seq.numel()) - torch.repeat_interleave(first_tile, tiles)
+    tile_q_start = tile_index * block_q
     return (tile_seq.to(torch.int32).to(device, non_blocking=True),
             tile_q_start.to(torch.int32).to(device, non_blocking=True))
 
