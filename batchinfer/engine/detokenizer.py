@@ -22,9 +22,10 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def add(self, token_id: int) -> str | None:
+    def add(self, token_id: int, check_stop: bool = True) -> str | None:
         """Add one token; returns the stop string if the text now contains one (the text
-        is then cut at it)."""
+        is then cut at it). With check_stop False (min_tokens not reached yet) the text
+        only grows."""
         self.ids.append(token_id)
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
@@ -34,6 +35,8 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         search_from = max(len(self.text) - self.max_stop_len + 1, 0)
         self.text += new_text
+        if not check_stop:
+            return None
         for stop in self.stop:
             pos = self.text.find(stop, search_from)
             if pos >= 0:

@@ -186,8 +186,8 @@ class LLMEngine:
                 req.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
         if req.detokenizer is not None:
-            stop = req.detokenizer.add(token)
-            if stop is not None and past_min:
+            stop = req.detokenizer.add(token, check_stop=past_min)
+            if stop is not None:
                 req.stop_reason = stop
                 return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= req.max_tokens:
