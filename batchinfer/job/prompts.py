@@ -101,6 +101,19 @@ def check_types(spec: PromptSpec, schema: pa.Schema) -> None:
                            "text or numbers")
 
 
+def check_kinds(spec: PromptSpec, kinds: set[str]) -> None:
+    """Refuse a prompt column of a JSON or CSV input in which no row holds a usable value
+    (`kinds` are the kinds of value found in it, see schema.kind_of)."""
+    wanted = {"prompt": {"str"}, "messages": {"list", "str"}, "openai": {"dict", "str"}}[spec.mode]
+    if not kinds & wanted:
+        words = {"str": "text", "int": "numbers", "float": "numbers", "bool": "booleans",
+                 "list": "lists", "dict": "objects"}
+        found = ", ".join(sorted({words.get(k, "other values") for k in kinds})) or "all null"
+        raise JobError(f"column {spec.column!r} holds no usable prompts (its values are: "
+                       f"{found}); choose the prompt column with --prompt-column or "
+                       "--messages-column")
+
+
 @dataclass(slots=True)
 class WorkItem:
     row: InputRow

@@ -25,7 +25,8 @@ from batchinfer.job.openai_output import write_openai_output
 from batchinfer.job.options import JobOptions
 from batchinfer.job.ordering import ReorderWindow
 from batchinfer.job.progress import Progress
-from batchinfer.job.prompts import PromptBuilder, PromptSpec, WorkItem, check_types, detect
+from batchinfer.job.prompts import (PromptBuilder, PromptSpec, WorkItem, check_kinds,
+                                    check_types, detect)
 from batchinfer.job.rangeset import RangeSet
 from batchinfer.job.reader import open_input
 from batchinfer.job.schema import schema_from_json, schema_to_json
@@ -102,6 +103,8 @@ def _plan(options: JobOptions, source, outdir: OutputDir) -> _Plan:
                      set(manifest.json_columns), manifest, fresh=False)
     inspection = source.inspect()
     spec = detect(inspection.columns, options)
+    if inspection.types is not None:
+        check_kinds(spec, set(inspection.types.kinds[spec.column]))
     input_schema, json_columns = inspection.schema(spec.restrict())
     check_types(spec, input_schema)
     if options.output_format == "openai" and spec.mode != "openai":

@@ -1,0 +1,132 @@
+"""Bad rows become failed output rows and never stop the job; fatal mistakes exit 2 with one
+line, before any model is loaded."""
+from __future__ import annotations
+
+import json
+
+import pyarrow.dataset as ds
+import pytest
+
+from batchinfer import SamplingParams
+
+GOOD = ["The river runs", "Once upon a time", "A short note on"]
+
+
+def test_corrupted_jsonl_keeps_good_rows_and_flags_bad_ones(tmp_path, run_cli, reference_llm):
+    long_prompt = " ".join(["word"] * 200)
+    lines = [
+        json.dumps({"prompt": GOOD[0], "n": 0}).encode(),
+        b'{"prompt": "unterminated',                                   # bad JSON
+        json.dumps({"prompt": 42, "n": 2}).encode(),                   # wrong type
+        json.dumps({"prompt": ["a", "list"], "n": 3}).encode(),        # wrong type
+        json.dumps({"prompt": GOOD[1], "n": 4}).encode(),
+        json.dumps({"prompt": "", "n": 5}).encode(),                   # empty
+        json.dumps({"prompt": "   ", "n": 6}).encode(),                # blank
+        json.dumps({"n": 7}).encode(),                                 # missing
+        json.dumps({"prompt": long_prompt, "n": 8}).encode(),          # longer than max_model_len
+        b'{"prompt": "caf\xe9 latte", "n": 9}',                        # invalid UTF-8 (latin-1)
+        b'[1, 2, 3]',                                                  # not an object
+        json.dumps({"prompt": None, "n": 11}).encode(),                # null
+        json.dumps({"prompt": GOOD[2], "n": 12}).encode(),
+    ]
+    (tmp_path / "bad.jsonl").write_bytes(b"\n".join(lines) + b"\n\n")
+    result = run_cli(tmp_path / "bad.jsonl", "-o", tmp_path / "out", "--max-tokens", "4",
+                     "--temperature", "0", "--max-model-len", "64")
+    assert result.exit_code == 0, result.output
+    rows = {r["id"]: r for r in ds.dataset(tmp_path / "out").to_table().to_pylist()}
+    assert sorted(rows) == list(range(len(lines)))  # the trailing blank line is not a row
+
+    expected = reference_llm.generate(GOOD, SamplingParams(max_tokens=4, temperature=0))
+    for index, out in zip((0, 4, 12), expected):
+        assert rows[index]["completion"] == out.outputs[0].text
+        assert rows[index]["error"] is None and rows[index]["finish_reason"] != "error"
+        assert rows[index]["n"] == index
+
+    reasons = {1: "invalid JSON", 2: "must be text", 3: "must be text", 5: "empty",
+               6: "empty", 7: "missing", 8: "max_model_len", 9: "invalid UTF-8",
+               10: "expected a JSON object", 11: "missing"}
+    for index, reason in reasons.items():
+        row = rows[index]
+        assert row["finish_reason"] == "error", index
+        assert reason in row["error"], (index, row["error"])
+        assert row["completion"] is None
+    assert "bad.jsonl:2" in rows[1]["error"] and "bad.jsonl:10" in rows[9]["error"]
+    # Values of failed rows are kept where they fit the column, else null.
+    assert rows[2]["n"] == 2 and rows[2]["prompt"] is None and rows[8]["prompt"] == long_prompt
+    summary = json.loads((tmp_path / "out" / "__batchinfer__" / "summary.json").read_text())
+    assert summary["rows"] == len(lines) and summary["errors"] == len(reasons)
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Any attempt to load an engine fails the test: fatal errors must come first."""
+    def refuse(model, kwargs):
+        raise AssertionError("the model was loaded before the mistake was reported")
+    monkeypatch.setattr("batchinfer.job.runner.load_engine", refuse)
+
+
+def assert_fatal(result, *words: str) -> None:
+    assert result.exit_code == 2, result.output
+    message = result.stderr.strip()
+    assert message.startswith("Error: ") and "\n" not in message, message
+    for word in words:
+        assert word in message, message
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--max-tokens", "0"], ["--max-tokens"]),
+    (["--temperature", "-1"], ["--temperature"]),
+    (["--top-p", "1.5"], ["--top-p"]),
+    (["--max-num-seqs", "0"], ["--max-num-seqs"]),
+    (["--block-size", "7"], ["--block-size"]),
+    (["--kv-cache-memory", "4XB"], ["--kv-cache-memory"]),
+    (["--reorder-window", "-1"], ["--reorder-window"]),
+    (["--attention-backend", "fast"], ["--attention-backend"]),
+    (["--max-tokens", "many"], ["--max-tokens"]),
+    (["--prompt-column", "text", "--messages-column", "m"], ["--prompt-column"]),
+    (["--output-format", "openai"], ["--output-format openai"]),
+    (["--system-prompt", "@/nonexistent/system.txt"], ["--system-prompt"]),
+])
+def test_bad_flag_values(tmp_path, run_cli, no_model_load, flags, words):
+    (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
+    assert_fatal(run_cli(tmp_path / "in.jsonl", "-o", tmp_path / "out", *flags), *words)
+    assert not (tmp_path / "out").exists()
+
+
+def test_fatal_input_and_model_mistakes(tmp_path, run_cli, no_model_load):
+    (tmp_path / "in.jsonl").write_text('{"text": "hi", "label": 1}\n')
+    assert_fatal(run_cli(tmp_path / "missing.jsonl", "-o", tmp_path / "o"), "missing.jsonl")
+    assert_fatal(run_cli(tmp_path / "in.jsonl", "-o", tmp_path / "o"), "no prompt column",
+                 "text, label")
+    assert_fatal(run_cli(tmp_path / "in.jsonl", "-o", tmp_path / "o", "--prompt-column", "body"),
+                 "--prompt-column", "'body'")
+    assert_fatal(run_cli(tmp_path / "in.jsonl", "-o", tmp_path / "o", "--model",
+                         str(tmp_path / "no-model"), model=False), "--model", "no-model")
+    assert_fatal(run_cli(tmp_path / "in.jsonl", model=True), "--output")
+    (tmp_path / "in.txt").write_text("hi\n")
+    assert_fatal(run_cli(tmp_path / "in.txt", "-o", tmp_path / "o"), ".txt")
+    (tmp_path / "num.jsonl").write_text('{"prompt": 1}\n{"prompt": 2}\n')
+    assert_fatal(run_cli(tmp_path / "num.jsonl", "-o", tmp_path / "o"), "'prompt'", "numbers")
+    (tmp_path / "clash.jsonl").write_text('{"prompt": "hi", "completion": "x"}\n')
+    assert_fatal(run_cli(tmp_path / "clash.jsonl", "-o", tmp_path / "o"), "completion")
+    assert not (tmp_path / "o").exists()
+
+
+def test_outdir_of_another_job_is_refused(tmp_path, run_cli):
+    (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
+    out = tmp_path / "out"
+    assert run_cli(tmp_path / "in.jsonl", "-o", out, "--max-tokens", "2").exit_code == 0
+    again = run_cli(tmp_path / "in.jsonl", "-o", out, "--max-tokens", "2")
+    assert again.exit_code == 0 and "already done" in again.stderr
+    assert_fatal(run_cli(tmp_path / "in.jsonl", "-o", out, "--max-tokens", "3"),
+                 "different job", "sampling.max_tokens", "--overwrite")
+    replaced = run_cli(tmp_path / "in.jsonl", "-o", out, "--max-tokens", "3", "--overwrite")
+    assert replaced.exit_code == 0, replaced.output
+    assert ds.dataset(out).to_table().column("output_tokens").to_pylist()[0] <= 3
+    assert len(list(out.glob("part-*.parquet"))) == 1
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    assert_fatal(run_cli(tmp_path / "in.jsonl", "-o", other), "not empty")
+    assert (other / "notes.txt").read_text() == "mine"
