@@ -1,0 +1,61 @@
+"""The built-in demo model: a small random-weight Llama, built on first use and cached.
+
+`LLM(model="demo")` and `batchinfer run --model demo` use it so the whole pipeline can be
+tried without any model on disk. Its weights are random, so its text is meaningless.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from batchinfer.model.random_checkpoint import build_random_checkpoint
+
+DEMO_NOTICE = ("The built-in demo model has random weights: its output text is meaningless "
+               "and only shows that the pipeline works.")
+DEMO_NAME = "demo-v1"
+DEMO_SHAPE = "tiny"
+DEMO_SEED = 0
+
+logger = logging.getLogger(__name__)
+
+
+def cache_root() -> Path:
+    """`$BATCHINFER_CACHE` if set, else ~/.cache/batchinfer."""
+    root = os.environ.get("BATCHINFER_CACHE")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "batchinfer"
+
+
+def _is_complete(path: Path) -> bool:
+    return (path / "config.json").is_file()
+
+
+def demo_model_path() -> Path:
+    """Path of the demo checkpoint, building it first if it is not cached yet.
+
+    The checkpoint is built in a temporary directory next to its final place and renamed
+    into place, so a reader never sees a half-written model; when two processes race, the
+    first rename wins and the other discards its copy.
+    """
+    final = cache_root() / DEMO_NAME
+    if _is_complete(final):
+        return final
+    if final.exists() and any(final.iterdir()):
+        raise RuntimeError(f"{final} exists but holds no complete demo model "
+                           f"(no config.json); delete it and try again")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{DEMO_NAME}-", dir=final.parent))
+    try:
+        logger.info("building the demo model in %s", final)
+        build_random_checkpoint(staging, DEMO_SHAPE, seed=DEMO_SEED)
+        try:
+            os.rename(staging, final)
+        except OSError:
+            # Another process renamed its copy into place first.
+            if not _is_complete(final):
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return final

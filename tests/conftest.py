@@ -1,0 +1,98 @@
+import os
+
+# The test models are tiny: one thread per process is as fast, and on a machine shared by
+# parallel test runs it avoids OpenMP busy-waiting that makes each matmul ~50x slower.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+if os.environ["OMP_NUM_THREADS"].isdigit():
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+# Triton reads TRITON_INTERPRET when its kernels are first imported: without a GPU, run
+# them in the interpreter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Nothing in the tests may reach the Hugging Face hub.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+# Test files share helpers with `import checkpoints` (pytest runs with importlib mode,
+# which does not put this directory on sys.path).
+sys.path.insert(0, str(Path(__file__).parent))
+
+import checkpoints  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def batchinfer_cache(tmp_path_factory: pytest.TempPathFactory):
+    """A fresh BATCHINFER_CACHE for the session, so the demo model is never read from or
+    written to the user's real cache."""
+    previous = os.environ.get("BATCHINFER_CACHE")
+    path = tmp_path_factory.mktemp("batchinfer-cache")
+    os.environ["BATCHINFER_CACHE"] = str(path)
+    yield path
+    if previous is None:
+        os.environ.pop("BATCHINFER_CACHE", None)
+    else:
+        os.environ["BATCHINFER_CACHE"] = previous
+
+
+@pytest.fixture(scope="session")
+def checkpoint_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("checkpoints")
+
+
+@pytest.fixture(scope="session")
+def llama_dir(checkpoint_root: Path) -> Path:
+    return checkpoints.build_checkpoint("llama", checkpoint_root)
+
+
+@pytest.fixture(scope="session")
+def mistral_dir(checkpoint_root: Path) -> Path:
+    return checkpoints.build_checkpoint("mistral", checkpoint_root)
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(checkpoint_root: Path) -> Path:
+    return checkpoints.build_checkpoint("qwen2", checkpoint_root)
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(checkpoint_root: Path) -> Path:
+    return checkpoints.build_checkpoint("qwen3", checkpoint_root)
+
+
+@pytest.fixture(scope="session")
+def llama_legacy_rope_dir(checkpoint_root: Path) -> Path:
+    return checkpoints.build_checkpoint("llama_legacy_rope", checkpoint_root)
+
+
+@pytest.fixture(scope="session")
+def llama_sharded_dir(checkpoint_root: Path) -> Path:
+    return checkpoints.build_checkpoint("llama_sharded", checkpoint_root)
+
+
+@pytest.fixture(scope="session")
+def demo_dir(batchinfer_cache: Path) -> Path:
+    from batchinfer.demo import demo_model_path
+
+    start = time.perf_counter()
+    path = demo_model_path()
+    checkpoints.BUILD_SECONDS["demo"] = time.perf_counter() - start
+    return path
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if checkpoints.BUILD_SECONDS:
+        built = ", ".join(f"{name} {seconds:.2f}s"
+                          for name, seconds in checkpoints.BUILD_SECONDS.items())
+        terminalreporter.write_line(f"checkpoint fixtures built: {built}")
