@@ -184,6 +184,8 @@ class LLMEngine:
         if past_min and token in req.stop_token_ids:
             if token in req.params.stop_token_ids:
                 req.stop_reason = token
+            if req.detokenizer is not None and req.params.include_stop_str_in_output:
+                req.detokenizer.add(token, check_stop=False)
             return RequestStatus.FINISHED_STOPPED
         if req.detokenizer is not None:
             stop = req.detokenizer.add(token, check_stop=past_min)
@@ -209,8 +211,11 @@ class LLMEngine:
         if req.detokenizer is not None:
             text = req.detokenizer.text
         else:
-            text = self.tokenizer.decode(req.output_token_ids,
-                                         skip_special_tokens=req.params.skip_special_tokens)
+            ids = req.output_token_ids
+            if (req.status == RequestStatus.FINISHED_STOPPED
+                    and not req.params.include_stop_str_in_output):
+                ids = ids[:-1]  # as in vLLM, a stop token's text is left out by default
+            text = self.tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens)
         parent.done[req.sample_index] = CompletionOutput(
             req.sample_index, text, req.output_token_ids, req.cumulative_logprob, req.logprobs,
             req.status.value, req.stop_reason, req.metrics)
