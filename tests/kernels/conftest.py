@@ -1,25 +1,18 @@
-"""Synthetic paged batches for the kernel tests.
-
-The kernels must be imported after TRITON_INTERPRET is set; tests/conftest.py does that
-for the whole suite when there is no CUDA, and this file does the same when the kernel
-tests run on their own.
-"""
+"""Synthetic paged batches for the kernel tests (tests/conftest.py turns on the Triton
+interpreter when there is no CUDA, before any kernel module is imported)."""
 from __future__ import annotations
 
 import functools
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from batchinfer.attention.metadata import AttentionMetadata  # noqa: E402
+from batchinfer.attention.metadata import AttentionMetadata
 
 # On a CUDA machine the kernels run compiled on the GPU, elsewhere under the interpreter.
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
 
 def build_batch(seq_lens: list[int], query_lens: list[int], *, block_size: int,
                 num_kv_heads: int, group: int, head_dim: int, dtype: torch.dtype,

@@ -7,20 +7,13 @@ import random
 import pytest
 
 from batchinfer import LLM, SamplingParams
-from batchinfer.model.random_checkpoint import build_random_checkpoint
-
-# Tiny Llama (GQA, head_dim 32) and Mistral (sliding window 64, shorter than the prompts).
-SHAPES = {"llama": "test-llama", "mistral": "test-mistral"}
 
 
-@pytest.fixture(scope="module", params=sorted(SHAPES))
-def model_dir(request, tmp_path_factory):
-    """The suite's session checkpoint when tests/conftest.py provides it, else one built here."""
-    name = request.param
-    try:
-        return request.getfixturevalue(f"{name}_dir")
-    except pytest.FixtureLookupError:
-        return build_random_checkpoint(tmp_path_factory.mktemp(name), SHAPES[name])
+@pytest.fixture(params=["llama", "mistral"])
+def model_dir(request):
+    """Tiny Llama (GQA, head_dim 32) and Mistral (sliding window 64, shorter than the
+    prompts), the suite's session checkpoints."""
+    return request.getfixturevalue(f"{request.param}_dir")
 
 
 def _generate(model_dir, backend: str):
