@@ -42,7 +42,7 @@ def demo_model_path() -> Path:
     final = cache_root() / DEMO_NAME
     if _is_complete(final):
         return final
-    if final.exists() and any(final.iterdir()):
+    if final.exists() and (not final.is_dir() or any(final.iterdir())):
         raise RuntimeError(f"{final} exists but holds no complete demo model "
                            f"(no config.json); delete it and try again")
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -50,6 +50,7 @@ def demo_model_path() -> Path:
     try:
         logger.info("building the demo model in %s", final)
         build_random_checkpoint(staging, DEMO_SHAPE, seed=DEMO_SEED)
+        staging.chmod(0o755)  # mkdtemp makes it private; the cache entry is a plain directory
         try:
             os.rename(staging, final)
         except OSError:
