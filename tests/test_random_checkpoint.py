@@ -274,7 +274,7 @@ def test_compare_greedy_counts_exact_tolerated_and_mismatched():
 
 def test_hf_greedy_stops_at_eos_unless_told_not_to(tmp_path):
     path = build_random_checkpoint(tmp_path, "test-mistral", vocab_size=300)
-    prompts = [[0, 10 + i, 20 + i] for i in range(20)]
+    prompts = [[0, 10 + i, 20 + i] for i in range(8)]
     stopped = checkpoints.hf_greedy(path, prompts, 40)
     early = [i for i, t in enumerate(stopped.token_ids) if len(t) < 40]
     assert early, "no prompt reached eos; pick prompts that do"
