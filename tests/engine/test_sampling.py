@@ -333,8 +333,12 @@ def hf_penalised_greedy(hf_model, prompt: list[int], steps: int, rep: float, pre
 @pytest.mark.parametrize("rep, pres, freq", [(1.5, 0.0, 0.0), (1.0, 0.8, 0.0),
                                              (1.0, 0.0, 0.7), (1.2, 0.3, 0.4)])
 def test_penalised_greedy_matches_the_reference(llm: LLM, hf_model, rep, pres, freq):
-    prompt = random_prompt(random.Random(9), 13)
+    base = random_prompt(random.Random(9), 13)
+    # the prompt ends with what the model goes on repeating, so the repetition penalty
+    # has prompt tokens to act on
+    prompt = base + greedy(llm, base, max_tokens=4)
     plain = greedy(llm, prompt, max_tokens=12)
+    assert set(plain) & set(prompt)
     got = greedy(llm, prompt, max_tokens=12, repetition_penalty=rep, presence_penalty=pres,
                  frequency_penalty=freq)
     assert got == hf_penalised_greedy(hf_model, prompt, 12, rep, pres, freq)
