@@ -50,8 +50,6 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.queried_tokens += request.num_tokens
-        self.hit_tokens += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -59,8 +57,10 @@ class KVCacheManager:
                        ) -> list[KVBlock] | None:
         """Blocks for num_new_tokens more tokens after the request's computed ones (plus
         the cache hits passed in). Returns the newly allocated blocks, or None (and changes
-        nothing) when the pool cannot hold them."""
+        nothing) when the pool cannot hold them. The prefix-cache counters count a request
+        when it is admitted (here), not each time a waiting request is queried."""
         blocks = self.req_blocks.setdefault(request.request_id, [])
+        admitted = not blocks
         total = request.num_computed_tokens + num_computed_tokens + num_new_tokens
         num_new = _cdiv(total, self.block_size) - len(blocks) - len(computed_blocks)
         reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)
@@ -68,6 +68,9 @@ class KVCacheManager:
             if not blocks:
                 del self.req_blocks[request.request_id]
             return None
+        if admitted and self.enable_caching:
+            self.queried_tokens += request.num_tokens
+            self.hit_tokens += num_computed_tokens
         if computed_blocks:
             self.pool.touch(computed_blocks)
             blocks.extend(computed_blocks)
