@@ -252,6 +252,22 @@ def test_preempted_request_resumes_from_its_cached_prefix():
     assert r2.num_output_tokens == 8
 
 
+def test_prefix_cache_stats_count_each_admission_once():
+    """A request that waits for blocks is queried every step, but its tokens count as
+    queried (and its hits as hits) only when it is admitted."""
+    sim = Sim(num_blocks=4, block_size=4, caching=True)
+    sim.add("a", list(range(12)), max_tokens=4)      # 3 blocks; 4 once it has 13 tokens
+    sim.step()
+    late = sim.add("b", list(range(8)) + [99] * 6, max_tokens=1)  # shares a's first 8
+    for _ in range(3):
+        sim.step()
+        assert late.status == RequestStatus.WAITING
+    assert (sim.kv.queried_tokens, sim.kv.hit_tokens) == (12, 0)
+    sim.run()
+    assert late.num_cached_tokens == 8
+    assert (sim.kv.queried_tokens, sim.kv.hit_tokens) == (12 + 14, 8)
+
+
 def test_finish_removes_waiting_and_running_requests():
     sim = Sim(num_blocks=16, max_num_seqs=1)
     a = sim.add("a", 5)
