@@ -356,12 +356,13 @@ def test_no_block_is_held_after_preemptions_n_stop_strings_and_aborts(model_dir:
     params = [SamplingParams(temperature=0.0, max_tokens=40),
               SamplingParams(temperature=0.0, max_tokens=40, stop=["e"]),
               SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=30),
-              SamplingParams(temperature=1.0, seed=6, max_tokens=35, stop=["ab", "x"]),
+              SamplingParams(temperature=1.0, seed=6, max_tokens=35, stop=["a", "x"]),
               SamplingParams(temperature=0.0, max_tokens=25, logprobs=1),
               SamplingParams(temperature=0.0, max_tokens=40)]
     outs = small.generate(prompts, params)
     stats = small.stats()
     assert stats["num_preemptions"] > 0
+    assert {o.outputs[0].finish_reason for o in outs[1:4:2]} == {"stop"}
     assert stats["num_free_blocks"] == stats["num_total_blocks"] == 12
     assert_no_blocks_held(small)
     # preemption and recomputation do not change what is generated
