@@ -80,6 +80,10 @@ class Source:
             dataset = self._dataset()
             schema = dataset.features.arrow_schema
             return Inspection(schema.names, dataset.num_rows, arrow_schema=schema)
+        if self.format == "json":
+            fast = _inspect_clean_jsonl(self.files)
+            if fast is not None:
+                return fast
         types, rows, batch = ColumnTypes(), 0, []
         for _, raw in self._raw_rows():
             rows += 1
@@ -111,7 +115,7 @@ class Source:
                 continue
             values, error = self._parse(raw, converters)
             if error is not None:
-                batch.append(InputRow(index, {}, f"{where}: {error}"))
+                batch.append(InputRow(index, {}, f"{where[0]}{where[1]}: {error}"))
             else:
                 if json_columns:
                     encode_json_columns(values, json_columns)
@@ -123,7 +127,9 @@ class Source:
             yield batch
 
     # ---- row-oriented formats --------------------------------------------------------
-    def _raw_rows(self) -> Iterator[tuple[str, Any]]:
+    def _raw_rows(self) -> Iterator[tuple[tuple[str, int], Any]]:
+        """Each row unparsed, with where it is: ("name.jsonl:", line) or ("name.json:
+        element ", n), formatted only when a row turns out bad."""
         for path in self.files:
             if self.format == "csv":
                 yield from _csv_rows(path)
@@ -267,13 +273,43 @@ def _pick_split(loaded, split: str | None, spec: str):
 
 
 # ---- JSON ----------------------------------------------------------------------------
-def _jsonl_rows(path: Path) -> Iterator[tuple[str, bytes]]:
+def _inspect_clean_jsonl(files: list[Path]) -> Inspection | None:
+    """Arrow's JSON reader (C++, ~20x faster than a Python scan) for the common case of
+    clean JSON lines with one type per column. None when anything is unusual (a bad line,
+    a column whose type changes, a JSON array, text Arrow would read as a timestamp): the
+    Python scan then handles it row by row."""
+    import pyarrow.json as pj
+    if any(_is_json_array(p) for p in files):
+        return None
+    schemas, rows = [], 0
+    try:
+        for path in files:
+            reader = pj.open_json(path)
+            for batch in reader:
+                rows += batch.num_rows
+            schemas.append(reader.schema)
+        schema = pa.unify_schemas(schemas)
+    except (pa.ArrowException, OSError):
+        return None
+    if rows == 0 or any(_has_temporal(f.type) for f in schema):
+        return None
+    return Inspection(schema.names, rows, arrow_schema=schema)
+
+
+def _has_temporal(type_: pa.DataType) -> bool:
+    if pa.types.is_temporal(type_):
+        return True
+    return any(_has_temporal(type_.field(i).type) for i in range(type_.num_fields))
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[tuple[str, int], bytes]]:
+    prefix = f"{path.name}:"
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
             if lineno == 1 and line.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark
                 line = line[3:]
             if line.strip():
-                yield f"{path.name}:{lineno}", line
+                yield (prefix, lineno), line
 
 
 def _is_json_array(path: Path) -> bool:
@@ -287,13 +323,14 @@ def _is_json_array(path: Path) -> bool:
     return False
 
 
-def _json_array_rows(path: Path) -> Iterator[tuple[str, Any]]:
+def _json_array_rows(path: Path) -> Iterator[tuple[tuple[str, int], Any]]:
     """Elements of a top-level JSON array, parsed one at a time from a growing buffer.
 
     A syntax error ends the file (there is no way to find the next element): it comes out
     as one failed row naming the position."""
     decoder = json.JSONDecoder()
     ws = re.compile(r"[ \t\n\r]*")
+    prefix = f"{path.name}: element "
     with open(path, encoding="utf-8", errors="surrogateescape") as f:
         buf, pos, offset, eof, element = "", 0, 0, False, 0
 
@@ -315,7 +352,7 @@ def _json_array_rows(path: Path) -> Iterator[tuple[str, Any]]:
                     return buf[pos:pos + 1]
 
         def failure(why: str) -> tuple[str, Exception]:
-            return f"{path.name}: element {element}", ValueError(
+            return (prefix, element), ValueError(
                 f"invalid JSON at character {offset + pos} ({why}); the rest of the file "
                 "cannot be read")
 
@@ -343,9 +380,9 @@ def _json_array_rows(path: Path) -> Iterator[tuple[str, Any]]:
             pos = end
             element += 1
             if _SURROGATE.search(raw_text):
-                yield f"{path.name}: element {element - 1}", UnicodeError("invalid UTF-8")
+                yield (prefix, element - 1), UnicodeError("invalid UTF-8")
             else:
-                yield f"{path.name}: element {element - 1}", value
+                yield (prefix, element - 1), value
             char = skip_ws()
             if char == ",":
                 pos += 1
@@ -382,9 +419,10 @@ def _quote(text: str) -> str:
 
 
 # ---- CSV -----------------------------------------------------------------------------
-def _csv_rows(path: Path) -> Iterator[tuple[str, Any]]:
+def _csv_rows(path: Path) -> Iterator[tuple[tuple[str, int], Any]]:
     with open(path, encoding="utf-8", errors="surrogateescape", newline="") as f:
         reader = csv.reader(f)
+        prefix = f"{path.name}:"
         header = next(reader, None)
         if header is None:
             return
@@ -394,7 +432,7 @@ def _csv_rows(path: Path) -> Iterator[tuple[str, Any]]:
             raise JobError(f"{path}: the header is not valid UTF-8")
         for record in reader:
             if record:
-                yield f"{path.name}:{reader.line_num}", (header, record)
+                yield (prefix, reader.line_num), (header, record)
 
 
 def _csv_value(text: str) -> Any:

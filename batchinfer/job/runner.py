@@ -170,7 +170,7 @@ def _run_engine(options: JobOptions, source, plan: _Plan, writer: PartWriter, do
     target = max(1, 2 * engine.config.max_num_seqs // params.n)
     metrics = JobMetrics(options.metrics_textfile, options.metrics_interval)
     if total is not None:
-        metrics.rows_total.set(total)
+        metrics.set_total(total)
     if options.metrics_port is not None:
         port = metrics.serve(options.metrics_port, options.metrics_host)
         print(f"batchinfer: metrics on http://{options.metrics_host}:{port}/metrics", file=err)
@@ -178,13 +178,21 @@ def _run_engine(options: JobOptions, source, plan: _Plan, writer: PartWriter, do
     inflight: dict[str, WorkItem] = {}
     batches = source.batches(plan.input_schema, plan.json_columns, done, options.limit)
     exhausted = False
+    finished: list[list[dict[str, Any]]] = []  # output rows of the input rows just finished
 
     def record(item: WorkItem, rows: list[dict[str, Any]]) -> None:
         writer.add(item.row.index, rows)
-        metrics.observe_row(rows)
-        first = rows[0]
-        progress.update(1, sum(r["output_tokens"] or 0 for r in rows),
-                        first.get("prompt_tokens") or 0, first.get("cached_tokens") or 0)
+        finished.append(rows)
+
+    def report() -> None:
+        metrics.observe_rows(finished)
+        output_tokens = prompt_tokens = cached_tokens = 0
+        for rows in finished:
+            prompt_tokens += rows[0].get("prompt_tokens") or 0
+            cached_tokens += rows[0].get("cached_tokens") or 0
+            output_tokens += sum(r["output_tokens"] for r in rows)
+        progress.update(len(finished), output_tokens, prompt_tokens, cached_tokens)
+        finished.clear()
 
     try:
         while not stop.requested:
@@ -212,6 +220,7 @@ def _run_engine(options: JobOptions, source, plan: _Plan, writer: PartWriter, do
                     record(item, sample_rows(item, output, options.save_token_ids,
                                              options.logprobs is not None))
                 metrics.observe_engine(engine.stats())
+            report()
             if writer.due():
                 writer.commit()
             metrics.tick()

@@ -106,7 +106,7 @@ def test_fatal_input_and_model_mistakes(tmp_path, run_cli, no_model_load):
     (tmp_path / "in.txt").write_text("hi\n")
     assert_fatal(run_cli(tmp_path / "in.txt", "-o", tmp_path / "o"), ".txt")
     (tmp_path / "num.jsonl").write_text('{"prompt": 1}\n{"prompt": 2}\n')
-    assert_fatal(run_cli(tmp_path / "num.jsonl", "-o", tmp_path / "o"), "'prompt'", "numbers")
+    assert_fatal(run_cli(tmp_path / "num.jsonl", "-o", tmp_path / "o"), "'prompt'", "--prompt-column")
     (tmp_path / "clash.jsonl").write_text('{"prompt": "hi", "completion": "x"}\n')
     assert_fatal(run_cli(tmp_path / "clash.jsonl", "-o", tmp_path / "o"), "completion")
     assert not (tmp_path / "o").exists()
