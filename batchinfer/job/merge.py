@@ -9,7 +9,9 @@ change, so a job can be merged part way and resumed after.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
@@ -18,8 +20,33 @@ from batchinfer.job.manifest import OutputDir, fsync_dir
 from batchinfer.job.schema import schema_from_json
 
 
+class _MergedFile:
+    """One output file being written under its temporary name."""
+
+    def __init__(self, folder: Path, name: str, schema: pa.Schema):
+        self.final = folder / name
+        self.tmp = folder / f".{name}.tmp"
+        self.handle = open(self.tmp, "wb")
+        self.writer = pq.ParquetWriter(self.handle, schema, compression="zstd")
+        self.entry = {"file": name, "rows": 0, "input_rows": 0}
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        self.writer.write_batch(batch)
+        self.entry["rows"] += batch.num_rows
+        first_samples = pc.equal(batch.column("sample_index"), 0)
+        self.entry["input_rows"] += pc.sum(first_samples, min_count=0).as_py()
+
+    def close(self) -> dict:
+        self.writer.close()
+        self.handle.flush()
+        os.fsync(self.handle.fileno())
+        self.handle.close()
+        os.replace(self.tmp, self.final)
+        return self.entry
+
+
 def merge_parts(outdir: OutputDir, rows_per_file: int = 1_000_000) -> tuple[int, int]:
-    """Rewrite the parts of `outdir` into files of about `rows_per_file` rows each.
+    """Rewrite the parts of `outdir` into files of at most `rows_per_file` rows each.
     Returns (parts before, parts after)."""
     if rows_per_file < 1:
         raise JobError(f"--rows-per-file must be >= 1, got {rows_per_file}")
@@ -32,39 +59,29 @@ def merge_parts(outdir: OutputDir, rows_per_file: int = 1_000_000) -> tuple[int,
         if len(old) <= 1:
             return len(old), len(old)
         schema = schema_from_json(manifest.output_schema)
-        new_parts: list[dict] = []
-        writer = None
-        current: dict = {}
-
-        def finish() -> None:
-            nonlocal writer
-            writer.close()
-            handle.flush()
-            os.fsync(handle.fileno())
-            handle.close()
-            os.replace(outdir.path / f".{current['file']}.tmp", outdir.path / current["file"])
-            new_parts.append(dict(current))
-            writer = None
-
+        merged: list[dict] = []
+        current: _MergedFile | None = None
         for path in old:
             for batch in pq.ParquetFile(path).iter_batches(batch_size=65536):
-                if writer is None:
-                    current = {"file": outdir.new_part_name(manifest), "rows": 0, "input_rows": 0}
-                    handle = open(outdir.path / f".{current['file']}.tmp", "wb")
-                    writer = pq.ParquetWriter(handle, schema, compression="zstd")
-                writer.write_batch(batch.cast(schema) if batch.schema != schema else batch)
-                current["rows"] += batch.num_rows
-                current["input_rows"] += pc.sum(pc.equal(batch.column("sample_index"), 0)).as_py() or 0
-                if current["rows"] >= rows_per_file:
-                    finish()
-        if writer is not None:
-            finish()
+                if batch.schema != schema:
+                    batch = batch.cast(schema)
+                while batch.num_rows:
+                    if current is None:
+                        current = _MergedFile(outdir.path, outdir.new_part_name(manifest), schema)
+                    piece = batch.slice(0, rows_per_file - current.entry["rows"])
+                    batch = batch.slice(piece.num_rows)
+                    current.write(piece)
+                    if current.entry["rows"] >= rows_per_file:
+                        merged.append(current.close())
+                        current = None
+        if current is not None:
+            merged.append(current.close())
         fsync_dir(outdir.path)
-        manifest.parts = new_parts
+        manifest.parts = merged
         outdir.save(manifest)
         for path in old:
             path.unlink()
         fsync_dir(outdir.path)
-        return len(old), len(new_parts)
+        return len(old), len(merged)
     finally:
         outdir.close()

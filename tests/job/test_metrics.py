@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from batchinfer.job.options import JobOptions
 from batchinfer.job.runner import run_job
-from conftest import ENGINE_KWARGS
+from jobtools import ENGINE_KWARGS
 
 NUM_ROWS = 40
 

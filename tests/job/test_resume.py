@@ -14,7 +14,7 @@ import pyarrow.dataset as ds
 
 from batchinfer import SamplingParams
 
-from conftest import ENGINE_FLAGS
+from jobtools import ENGINE_FLAGS
 
 NUM_ROWS = 32
 JOB_FLAGS = ["--max-tokens", "8", "--ignore-eos", "--temperature", "0", "--max-num-seqs", "4",

@@ -1,0 +1,107 @@
+"""OUTDIR bookkeeping: orphans from a crash, the lock, merge, job files."""
+from __future__ import annotations
+
+import json
+
+import pyarrow.dataset as ds
+import pytest
+from click.testing import CliRunner
+
+from batchinfer.job.cli import merge
+from batchinfer.job.config_file import load_job_file
+from batchinfer.job.errors import JobError
+from batchinfer.job.manifest import OutputDir
+from batchinfer.job.options import JobOptions, parse_size
+from batchinfer.job.runner import run_job
+from fake_engine import FakeEngine
+
+
+def fake_job(tmp_path, rows: int = 30, **kwargs) -> JobOptions:
+    path = tmp_path / "in.jsonl"
+    if not path.exists():
+        path.write_text("".join(json.dumps({"prompt": f"row {i}"}) + "\n" for i in range(rows)))
+    return JobOptions(input=str(path), model="stand-in", output=str(tmp_path / "out"),
+                      max_tokens=2, progress=False, **kwargs)
+
+
+def run_fake(options: JobOptions, max_num_seqs: int = 2):
+    import io
+    return run_job(options, lambda m, k: FakeEngine(max_num_seqs), out=io.StringIO(),
+                   err=io.StringIO())
+
+
+def test_orphans_and_temporaries_are_removed_on_restart(tmp_path):
+    options = fake_job(tmp_path, limit=10, commit_rows=3)
+    assert run_fake(options).exit_code == 0
+    out = tmp_path / "out"
+    (out / "part-000999-deadbeef.parquet").write_bytes(b"left by a crash")
+    (out / ".part-001000-0badf00d.parquet.tmp").write_bytes(b"half written")
+    (out / "__batchinfer__" / ".manifest.json.1234.tmp").write_text("{")
+    assert run_fake(fake_job(tmp_path, commit_rows=3)).exit_code == 0
+    assert not (out / "part-000999-deadbeef.parquet").exists()
+    assert not list(out.glob(".*.tmp")) and not list((out / "__batchinfer__").glob(".*"))
+    ids = ds.dataset(out).to_table().column("id").to_pylist()
+    assert sorted(ids) == list(range(30))
+
+
+def test_a_second_process_cannot_write_the_same_outdir(tmp_path):
+    options = fake_job(tmp_path)
+    outdir = OutputDir(options.output)
+    assert run_fake(fake_job(tmp_path, limit=5)).exit_code == 0
+    manifest = outdir.read_manifest()
+    outdir.open(manifest, fresh=False)
+    try:
+        with pytest.raises(JobError, match="another batchinfer process"):
+            run_fake(options)
+    finally:
+        outdir.close()
+
+
+def test_merge_compacts_parts_and_the_job_still_resumes(tmp_path):
+    assert run_fake(fake_job(tmp_path, limit=20, commit_rows=3)).exit_code == 0
+    out = tmp_path / "out"
+    before = ds.dataset(out).to_table().sort_by("id")
+    assert len(list(out.glob("part-*.parquet"))) > 3
+    result = CliRunner().invoke(merge, [str(out)])
+    assert result.exit_code == 0, result.output
+    assert [p.name for p in out.glob("part-*.parquet")] == \
+        [p["file"] for p in json.loads((out / "__batchinfer__" / "manifest.json").read_text())["parts"]]
+    assert len(list(out.glob("part-*.parquet"))) == 1
+    assert ds.dataset(out).to_table().sort_by("id").equals(before)
+    assert run_fake(fake_job(tmp_path, commit_rows=3)).exit_code == 0  # the other 10 rows
+    assert sorted(ds.dataset(out).to_table().column("id").to_pylist()) == list(range(30))
+    result = CliRunner().invoke(merge, [str(out), "--rows-per-file", "12"])
+    assert result.exit_code == 0 and len(list(out.glob("part-*.parquet"))) == 3
+    assert CliRunner().invoke(merge, [str(tmp_path)]).exit_code == 2
+
+
+def test_job_file_paths_types_and_overrides(tmp_path, monkeypatch):
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    (jobs / "system.txt").write_text("Be brief.")
+    (jobs / "job.toml").write_text(
+        'input = "data/in.jsonl"\noutput = "../out/job"\nmodel = "demo"\n'
+        'system-prompt = "@system.txt"\nkv_cache_memory = "1GiB"\n'
+        '[sampling]\nmax-tokens = 8\ntemperature = 0.0\nstop = ["\\n"]\n')
+    values = load_job_file(jobs / "job.toml")
+    assert values["input"] == str(jobs / "data" / "in.jsonl")
+    assert values["output"] == str(jobs / "../out/job")
+    assert values["system_prompt"] == "@" + str(jobs / "system.txt")
+    assert values["max_tokens"] == 8 and values["stop"] == ["\n"]
+    assert parse_size("1GiB") == 2**30 and parse_size("512MB") == 512 * 10**6
+
+    seen = {}
+    monkeypatch.setattr("batchinfer.job.runner.run_job",
+                        lambda options: seen.setdefault("o", options) and None)
+    from batchinfer.job.cli import run
+    CliRunner().invoke(run, ["--config", str(jobs / "job.toml"), "--max-tokens", "3"])
+    options = seen["o"]
+    assert options.max_tokens == 3 and options.temperature == 0.0
+    assert options.kv_cache_memory == 2**30 and options.system_prompt_text() == "Be brief."
+
+    (jobs / "bad.toml").write_text('model = "demo"\nmax-tokens = "many"\n')
+    result = CliRunner().invoke(run, ["--config", str(jobs / "bad.toml")])
+    assert result.exit_code == 2 and "max_tokens" in result.stderr
+    (jobs / "unknown.toml").write_text('modle = "demo"\n')
+    result = CliRunner().invoke(run, ["--config", str(jobs / "unknown.toml")])
+    assert result.exit_code == 2 and "unknown option 'modle'" in result.stderr

@@ -1,0 +1,103 @@
+"""Readers: row numbering, streaming skips, types inferred over the whole input, bad rows."""
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchinfer.job.errors import JobError
+from batchinfer.job.rangeset import RangeSet
+from batchinfer.job.reader import open_input
+from batchinfer.job.schema import ColumnTypes
+
+
+def read_all(spec, restrict=None, done=(), stop=None):
+    source = open_input(str(spec))
+    inspection = source.inspect()
+    schema, json_columns = inspection.schema(restrict or {"prompt": "str"})
+    rows = [r for batch in source.batches(schema, json_columns, RangeSet(done), stop)
+            for r in batch]
+    return inspection, schema, json_columns, rows
+
+
+def test_types_inferred_over_every_row_not_the_first_batch(tmp_path):
+    lines = [{"prompt": f"p{i}", "late": None, "num": i} for i in range(3000)]
+    lines.append({"prompt": "last", "late": "text at the end", "num": 2.5,
+                  "meta": {"a": 1}})
+    lines.append({"prompt": "after", "meta": {"b": "x"}, "mixed": 1})
+    lines.append({"prompt": 7, "mixed": "one"})  # a bad prompt must not change the type
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    inspection, schema, json_columns, rows = read_all(tmp_path / "in.jsonl")
+    assert inspection.num_rows == len(lines)
+    assert schema.field("prompt").type == pa.string()
+    assert schema.field("late").type == pa.string()
+    assert schema.field("num").type == pa.float64()
+    assert schema.field("meta").type == pa.struct([("a", pa.int64()), ("b", pa.string())])
+    assert schema.field("mixed").type == pa.string() and json_columns == {"mixed"}
+    assert rows[-2].values["mixed"] == "1" and rows[-1].values["mixed"] == "one"
+    assert [r.index for r in rows] == list(range(len(lines)))
+
+
+def test_skips_done_rows_and_stops_at_limit(tmp_path):
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n"
+                                               for i in range(50)))
+    _, _, _, rows = read_all(tmp_path / "in.jsonl", done=[(0, 10), (12, 40)], stop=45)
+    assert [r.index for r in rows] == [10, 11, *range(40, 45)]
+    table = pa.table({"prompt": [f"p{i}" for i in range(5000)]})
+    pq.write_table(table, tmp_path / "in.parquet", row_group_size=700)
+    _, _, _, rows = read_all(tmp_path / "in.parquet", done=[(0, 3000), (3001, 4990)])
+    assert [(r.index, r.values["prompt"]) for r in rows] == \
+        [(3000, "p3000")] + [(i, f"p{i}") for i in range(4990, 5000)]
+
+
+def test_json_array_streams_and_reports_a_broken_tail(tmp_path):
+    items = [{"prompt": "x" * 5000 + str(i)} for i in range(300)]  # larger than one chunk
+    text = json.dumps(items)
+    (tmp_path / "ok.json").write_text(text)
+    _, _, _, rows = read_all(tmp_path / "ok.json")
+    assert [r.values["prompt"] for r in rows] == [i["prompt"] for i in items]
+    (tmp_path / "broken.json").write_text(text[:-3000] + ', {"prompt": oops}]')
+    _, _, _, rows = read_all(tmp_path / "broken.json")
+    assert all(r.error is None for r in rows[:-1]) and len(rows) > 200
+    assert "rest of the file" in rows[-1].error and "broken.json: element" in rows[-1].error
+
+
+def test_csv_bad_rows_and_types(tmp_path):
+    (tmp_path / "in.csv").write_bytes(b'prompt,n,score\n"a, b",1,0.5\nc,2\nd,x,1\n'
+                                      b'\xff\xfe,3,2\n"multi\nline",4,3\n')
+    inspection, schema, _, rows = read_all(tmp_path / "in.csv")
+    assert inspection.num_rows == 5
+    assert schema.field("n").type == pa.string()  # "x" is not a number
+    assert schema.field("score").type == pa.float64()
+    assert rows[0].values == {"prompt": "a, b", "n": "1", "score": 0.5}
+    assert "expected 3 fields, got 2" in rows[1].error and "in.csv:3" in rows[1].error
+    assert rows[2].values["n"] == "x"
+    assert "invalid UTF-8" in rows[3].error
+    assert rows[4].values["prompt"] == "multi\nline"
+
+
+def test_open_input_mistakes(tmp_path):
+    with pytest.raises(JobError, match="no such file"):
+        open_input(str(tmp_path / "nope.jsonl"))
+    (tmp_path / "mixed").mkdir()
+    (tmp_path / "mixed" / "a.jsonl").write_text('{"prompt": "a"}\n')
+    (tmp_path / "mixed" / "b.csv").write_text("prompt\nb\n")
+    with pytest.raises(JobError, match="mixes formats"):
+        open_input(str(tmp_path / "mixed"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(JobError, match="no .parquet"):
+        open_input(str(tmp_path / "empty"))
+    with pytest.raises(JobError, match="not in the local Hugging Face cache"):
+        open_input("hf:nobody/no-such-dataset").inspect()
+
+
+def test_column_types_unify_nested_and_fall_back_to_json():
+    types = ColumnTypes()
+    types.observe([{"m": [{"role": "user", "content": "a"}]}, {"x": 1}])
+    types.observe([{"m": [{"role": "user", "content": "b", "name": "n"}]}, {"x": [1]}])
+    schema, json_columns = types.schema({"m": "list"})
+    assert schema.field("m").type == pa.list_(pa.struct(
+        [("role", pa.string()), ("content", pa.string()), ("name", pa.string())]))
+    assert schema.field("x").type == pa.string() and json_columns == {"x"}
