@@ -50,17 +50,29 @@ def _shared_prefix_blocks(block_tables: torch.Tensor, seq_lens: list[int], block
     return int(differ[0, 0]) if differ.numel() else limit
 
 
+def _length_groups(lens: list[int], max_groups: int, min_size: int = 16) -> list[tuple[int, int]]:
+    """Split [0, len(lens)) into up to max_groups contiguous ranges of equal count."""
+    n = len(lens)
+    g = max(1, min(max_groups, n // min_size))
+    bounds = [round(i * n / g) for i in range(g + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(g)]
+
+
 class TorchAttention:
     name = "torch"
     # Below this many shared tokens the extra call costs more than the saved copying.
     min_cascade_tokens = 64
+    # Decodes are padded to the longest context of their group; the runner sorts them by
+    # length, so a few groups cut the padding to a small fraction.
+    max_decode_groups = 4
 
     def _decode_plan(self, meta: AttentionMetadata, window: int | None, dtype: torch.dtype):
+        """Per step: the shared leading blocks (if worth a cascade) and, for each group of
+        decodes of similar length, the slots of their own tokens and a padding mask."""
         key = ("decode", window, dtype)
         if key not in meta.cache:
             nd = meta.num_decode_seqs
             bs = meta.block_size
-            seq_lens = meta.seq_lens[:nd].long()
             lens_cpu = meta.seq_lens_cpu[:nd]
             shared = 0
             if window is None or max(lens_cpu) <= window:
@@ -68,30 +80,41 @@ class TorchAttention:
                 if shared * bs < self.min_cascade_tokens:
                     shared = 0
             start = shared * bs
-            pos = torch.arange(start, max(lens_cpu), device=seq_lens.device)
-            valid = pos[None, :] < seq_lens[:, None]
-            if window is not None:
-                valid &= pos[None, :] > (seq_lens[:, None] - 1 - window)
-            pos = torch.minimum(pos[None, :], (seq_lens - 1)[:, None])
-            slots = _slots(meta.block_tables[:nd], pos, bs)
-            mask = torch.zeros(valid.shape, dtype=dtype, device=valid.device)
-            mask.masked_fill_(~valid, float("-inf"))
+            groups = []
+            for a, b in _length_groups(lens_cpu, self.max_decode_groups):
+                seq_lens = meta.seq_lens[a:b].long()
+                pos = torch.arange(start, max(lens_cpu[a:b]), device=seq_lens.device)
+                valid = pos[None, :] < seq_lens[:, None]
+                if window is not None:
+                    valid &= pos[None, :] > (seq_lens[:, None] - 1 - window)
+                pos = torch.minimum(pos[None, :], (seq_lens - 1)[:, None])
+                slots = _slots(meta.block_tables[a:b], pos, bs)
+                mask = torch.zeros(valid.shape, dtype=dtype, device=valid.device)
+                mask.masked_fill_(~valid, float("-inf"))
+                groups.append((a, b, slots.flatten(), slots.shape[1], mask[:, None, None, :]))
             prefix_slots = None
             if shared:
-                prefix_slots = _slots(meta.block_tables[:1], torch.arange(start, device=pos.device)[None], bs)[0]
-            meta.cache[key] = (slots.flatten(), slots.shape, mask[:, None, None, :], prefix_slots)
+                prefix_pos = torch.arange(start, device=meta.seq_lens.device)[None]
+                prefix_slots = _slots(meta.block_tables[:1], prefix_pos, bs)[0]
+            meta.cache[key] = (groups, prefix_slots)
         return meta.cache[key]
 
     def _decode(self, q, k_flat, v_flat, meta, window, scale):
         """q [nd, Hkv, group, D] -> [nd, Hkv, group, D]."""
         nd, num_kv_heads, group, head_dim = q.shape
-        slots, shape, mask, prefix_slots = self._decode_plan(meta, window, q.dtype)
-        k = k_flat.index_select(0, slots).view(*shape, num_kv_heads, head_dim).transpose(1, 2)
-        v = v_flat.index_select(0, slots).view(*shape, num_kv_heads, head_dim).transpose(1, 2)
+        groups, prefix_slots = self._decode_plan(meta, window, q.dtype)
+        own = torch.empty_like(q)
+        own_lse = torch.empty(nd, num_kv_heads, group, dtype=torch.float32, device=q.device)
+        for a, b, slots, num_slots, mask in groups:
+            k = k_flat.index_select(0, slots).view(b - a, num_slots, num_kv_heads, head_dim)
+            v = v_flat.index_select(0, slots).view(b - a, num_slots, num_kv_heads, head_dim)
+            k, v = k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)
+            if prefix_slots is None:
+                own[a:b] = F.scaled_dot_product_attention(q[a:b], k, v, attn_mask=mask, scale=scale)
+            else:
+                own[a:b], own_lse[a:b] = _flash_with_lse(q[a:b], k, v, mask, scale)
         if prefix_slots is None:
-            return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
-                                                  scale=scale)
-        own, own_lse = _flash_with_lse(q, k.to(q.dtype), v.to(q.dtype), mask, scale)
+            return own
         # every query row of the batch against the shared prefix, as one [Hkv, nd*group] block
         qp = q.permute(1, 0, 2, 3).reshape(1, num_kv_heads, nd * group, head_dim)
         kp = k_flat.index_select(0, prefix_slots).transpose(0, 1)[None].to(q.dtype)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ctypes
+
 import numpy as np
 import torch
 
@@ -18,6 +20,18 @@ from batchinfer.model.loader import load_model
 from batchinfer.sampling_params import SamplingParams
 
 CPU_DEFAULT_KV_BYTES = 4 << 30
+
+
+def _keep_freed_memory() -> None:
+    """glibc returns large freed buffers to the OS and page-faults them back in on the
+    next step; on CPU that costs as much as the copies themselves. Keep them in the heap."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 1 << 30)
+    libc.mallopt(m_trim_threshold, (1 << 31) - 1)
 
 
 @dataclass
@@ -45,6 +59,8 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = config.block_size
         self.eos_token_ids = eos_token_ids
+        if device.type == "cpu":
+            _keep_freed_memory()
         self.backend = get_attention_backend(config.attention_backend, device)
         self.model = load_model(model_path, hf_config, self.backend, dtype, device,
                                 config.load_format, config.allow_pickle_weights, config.seed)
@@ -168,7 +184,8 @@ class ModelRunner:
         starts_by_id = {c.req_id: c.num_computed_tokens for c in plan.cached_requests}
         starts_by_id.update((n.req_id, n.num_computed_tokens) for n in plan.new_requests)
         sched = plan.num_scheduled_tokens
-        decodes = [r for r, n in sched.items() if n == 1]
+        # decodes first, shortest context first (the attention backends group by length)
+        decodes = sorted((r for r, n in sched.items() if n == 1), key=starts_by_id.__getitem__)
         order = decodes + [r for r, n in sched.items() if n != 1]
         states = [self.requests[r] for r in order]
         starts = np.fromiter((starts_by_id[r] for r in order), dtype=np.int64, count=len(order))

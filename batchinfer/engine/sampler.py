@@ -54,7 +54,7 @@ class Sampler:
         if batch.repetition_penalty is not None:
             logits = self._apply_penalties(logits, batch)
         if batch.all_greedy:
-            tokens = logits.argmax(dim=-1)
+            tokens = logits.max(dim=-1).indices  # faster than argmax on CPU
         else:
             tokens = self._sample(logits, batch)
         out = SamplerOutput(tokens)
@@ -71,7 +71,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         temperature = batch.temperature
         greedy_rows = temperature < 1e-5
-        greedy_tokens = logits.argmax(dim=-1)
+        greedy_tokens = logits.max(dim=-1).indices
         logits = logits / torch.where(greedy_rows, 1.0, temperature)[:, None]
         if batch.min_p is not None:
             probs = logits.softmax(dim=-1)
