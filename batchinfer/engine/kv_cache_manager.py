@@ -62,6 +62,10 @@ class KVCacheManager:
         blocks = self.req_blocks.setdefault(request.request_id, [])
         admitted = not blocks
         total = request.num_computed_tokens + num_computed_tokens + num_new_tokens
+        if (not computed_blocks and total <= len(blocks) * self.block_size
+                and (not self.enable_caching
+                     or total // self.block_size <= self.num_cached_blocks.get(request.request_id, 0))):
+            return []  # the common decode step: room in the last block, nothing to cache
         num_new = _cdiv(total, self.block_size) - len(blocks) - len(computed_blocks)
         reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         if max(num_new, 0) + reclaimed > self.pool.num_free_blocks:

@@ -43,6 +43,12 @@ class RunnerRequest:
     row: int = -1
     num_blocks: int = 0
 
+    def __post_init__(self) -> None:
+        p = self.params
+        # argmax is all this request ever needs from the sampler
+        self.plain_greedy = (p.greedy and not p.uses_penalties and p.logprobs is None
+                             and not p.min_tokens)
+
 
 @dataclass
 class RunnerOutput:
@@ -228,6 +234,8 @@ class ModelRunner:
         return out
 
     def _sampling_batch(self, states: list[RunnerRequest]) -> SamplingBatch:
+        if all(s.plain_greedy for s in states):
+            return SamplingBatch(all_greedy=True)
         params = [s.params for s in states]
         need_logprobs = [p.logprobs for p in params if p.logprobs is not None]
         blocked_rows, blocked_ids = [], []
