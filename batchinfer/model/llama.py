@@ -14,7 +14,7 @@ from torch import nn
 from batchinfer.attention import AttentionMetadata
 from batchinfer.model.parallel import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                                        RowParallelLinear, TensorParallel, VocabParallelEmbedding)
-from batchinfer.model.rope import RotaryEmbedding, rope_parameters
+from batchinfer.model.rope import RotaryEmbedding, apply_rotary, rope_parameters
 
 
 class RMSNorm(nn.Module):
@@ -45,14 +45,12 @@ class Attention(nn.Module):
                                         bias=getattr(config, "attention_bias", False) and not arch.qkv_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if arch.qk_norm else None
-        self.rotary = RotaryEmbedding(self.head_dim, config.max_position_embeddings,
-                                      rope_parameters(config), dtype)
         self.sliding_window = arch.sliding_window(config, layer_idx)
         self.backend = backend
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
 
-    def forward(self, positions, hidden, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
+    def forward(self, rope, hidden, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -60,7 +58,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
                                    self.sliding_window)
         return self.o_proj(out.reshape(-1, self.q_size))
@@ -88,8 +86,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, hidden, meta, kv_cache):
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), meta, kv_cache)
+    def forward(self, rope, hidden, meta, kv_cache):
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), meta, kv_cache)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -100,6 +98,10 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i, arch, backend, dtype)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        # one table for all layers
+        self.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings,
+                                      rope_parameters(config), dtype)
 
 
 class CausalLM(nn.Module):
@@ -118,8 +120,9 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
+        rope = self.model.rotary.lookup(positions)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden = layer(positions, hidden, meta, kv_cache)
+            hidden = layer(rope, hidden, meta, kv_cache)
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
