@@ -1,0 +1,102 @@
+"""The LLM API around the engine: prompts of every kind, chat, per-request errors,
+metrics and progress."""
+from __future__ import annotations
+
+import pytest
+
+from batchinfer import LLM, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(model=str(llama_dir), max_model_len=512)
+
+
+def test_text_and_token_prompts_agree(llm):
+    tokenizer = llm.get_tokenizer()
+    text = "The quick brown fox"
+    by_text = llm.generate([text], GREEDY)[0]
+    by_ids = llm.generate([tokenizer.encode(text)], GREEDY)[0]
+    assert by_text.prompt == text
+    assert by_text.prompt_token_ids == by_ids.prompt_token_ids
+    assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids
+    assert by_text.outputs[0].text == tokenizer.decode(by_text.outputs[0].token_ids,
+                                                       skip_special_tokens=True)
+
+
+def test_single_prompt_and_order(llm):
+    prompts = [[1, 5 + i, 9] for i in range(10)]
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.prompt_token_ids for o in outs] == prompts
+    single = llm.generate(prompts[3], GREEDY)
+    assert len(single) == 1 and single[0].outputs[0].token_ids == outs[3].outputs[0].token_ids
+
+
+def test_chat_uses_the_template(llm):
+    conversation = [{"role": "system", "content": "Answer briefly."},
+                    {"role": "user", "content": "What is a cat?"}]
+    chat_out = llm.chat(conversation, GREEDY)[0]
+    text = llm.get_tokenizer().apply_chat_template(conversation, tokenize=False,
+                                                   add_generation_prompt=True)
+    ids = llm.get_tokenizer().encode(text, add_special_tokens=False)
+    assert chat_out.prompt_token_ids == ids
+    assert chat_out.outputs[0].token_ids == llm.generate([ids], GREEDY)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="role"):
+        llm.chat([{"content": "no role"}], GREEDY)
+
+
+def test_bad_prompts_fail_alone(llm):
+    too_long = [1] + [7] * 600
+    outs = llm.generate([[1, 2, 3], too_long, "", [1, 10 ** 9], [1, 4, 5]], GREEDY)
+    good = [outs[0], outs[4]]
+    assert all(o.error is None and o.outputs[0].finish_reason == "length" for o in good)
+    assert "max_model_len" in outs[1].error and outs[1].outputs[0].finish_reason == "error"
+    assert "empty" in outs[2].error
+    assert "token ids" in outs[3].error
+    pool = llm.llm_engine.kv.pool
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_prompt_that_could_never_fit_the_pool(llama_dir):
+    llm = LLM(model=str(llama_dir), num_kv_blocks=4, block_size=16)  # 64 tokens in all
+    assert llm.llm_engine.max_model_len == 64
+    outs = llm.generate([[1] * 100, [1, 2, 3]], GREEDY)
+    assert outs[0].outputs[0].finish_reason == "error" and "max_model_len" in outs[0].error
+    assert outs[1].outputs[0].finish_reason == "length"
+
+
+def test_max_tokens_capped_by_max_model_len(llama_dir):
+    llm = LLM(model=str(llama_dir), max_model_len=32)
+    out = llm.generate([[1] * 30], SamplingParams(max_tokens=100, ignore_eos=True, temperature=0))[0]
+    assert len(out.outputs[0].token_ids) == 2 and out.outputs[0].finish_reason == "length"
+
+
+def test_metrics_are_ordered(llm):
+    outs = llm.generate([[1, 2, 3 + i] for i in range(6)], GREEDY)
+    for out in outs:
+        m = out.metrics
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+        assert m.queue_s >= 0 and m.ttft_s >= 0 and m.e2e_s >= m.ttft_s
+        assert m.tpot_s(len(out.outputs[0].token_ids)) >= 0
+        assert m.num_preemptions == 0
+
+
+def test_stats_keys(llm):
+    stats = llm.stats()
+    for key in ("prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "num_preemptions",
+                "num_free_blocks", "num_total_blocks"):
+        assert isinstance(stats[key], int)
+
+
+def test_progress_bar(llm, capsys):
+    llm.generate([[1, 2, 3]] * 3, GREEDY, use_tqdm=True)
+    assert "Processed prompts" in capsys.readouterr().err
+
+
+def test_sampling_params_validation():
+    for bad in (dict(temperature=-1), dict(top_p=0), dict(n=0), dict(max_tokens=0),
+                dict(min_tokens=5, max_tokens=2), dict(stop=[""])):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)

@@ -1,0 +1,93 @@
+"""Finding and loading models: local directories, the local HF cache, sharded and pickle
+weights, unsupported architectures — and clear errors for each mistake."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from batchinfer import LLM, SamplingParams
+from batchinfer.model.loader import resolve_model_path
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+PROMPTS = [[1, 17, 42, 99, 7], [1, 300, 301, 302]]
+
+
+def _tokens(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def test_missing_model_names_where_it_looked(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(FileNotFoundError) as err:
+        LLM(model="some-org/no-such-model")
+    message = str(err.value)
+    assert "some-org/no-such-model" in message and str(tmp_path / "hub") in message
+    assert "never downloads" in message
+
+
+def test_hub_id_found_in_local_cache(llama_dir, tmp_path, monkeypatch):
+    snapshot = tmp_path / "hub" / "models--acme--tiny-llama" / "snapshots" / "0123abcd"
+    shutil.copytree(llama_dir, snapshot)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert resolve_model_path("acme/tiny-llama") == snapshot
+    assert _tokens(LLM(model="acme/tiny-llama")) == _tokens(LLM(model=str(llama_dir)))
+
+
+def test_pickle_weights_refused_unless_allowed(llama_dir, tmp_path):
+    from safetensors.torch import load_file
+    pickled = tmp_path / "pickled"
+    shutil.copytree(llama_dir, pickled, ignore=shutil.ignore_patterns("*.safetensors*"))
+    state = {}
+    for f in llama_dir.glob("*.safetensors"):
+        state.update(load_file(f))
+    torch.save(state, pickled / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="allow_pickle_weights"):
+        LLM(model=str(pickled))
+    llm = LLM(model=str(pickled), allow_pickle_weights=True)
+    assert _tokens(llm) == _tokens(LLM(model=str(llama_dir)))
+
+
+def test_unsupported_architecture_lists_supported(llama_dir, tmp_path):
+    other = tmp_path / "gpt2ish"
+    shutil.copytree(llama_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    config.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as err:
+        LLM(model=str(other))
+    for name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        assert name in str(err.value)
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        LLM(model=str(tmp_path))
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(block_size=12), "block_size"), (dict(dtype="float8"), "dtype"),
+    (dict(max_num_seqs=0), "max_num_seqs"), (dict(attention_backend="cuda"), "attention_backend"),
+    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+])
+def test_bad_engine_arguments_name_the_field(llama_dir, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        LLM(model=str(llama_dir), **kwargs)
+
+
+def test_unknown_argument(llama_dir):
+    with pytest.raises(TypeError, match="max_num_sequences"):
+        LLM(model=str(llama_dir), max_num_sequences=4)
+
+
+def test_max_model_len_beyond_the_model(llama_dir):
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        LLM(model=str(llama_dir), max_model_len=10 ** 6)
+
+
+def test_dummy_weights_load_format(llama_dir):
+    llm = LLM(model=str(llama_dir), load_format="dummy")
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
