@@ -16,7 +16,7 @@ from batchinfer import SamplingParams
 
 from jobtools import ENGINE_FLAGS
 
-NUM_ROWS = 32
+NUM_ROWS = 64
 JOB_FLAGS = ["--max-tokens", "8", "--ignore-eos", "--temperature", "0", "--max-num-seqs", "4",
              "--commit-rows", "2", "--reorder-window", "8", "--no-progress"]
 
@@ -92,12 +92,13 @@ def test_stopped_and_killed_job_resumes_exactly_once(tmp_path, job_model_dir, re
         before = done_rows(outdir)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         if wait_for_progress(proc, outdir, before):
-            time.sleep(rng.uniform(0.0, 0.3))  # anywhere: mid-step, mid-write, mid-commit
+            time.sleep(rng.uniform(0.0, 0.2))  # anywhere: mid-step, mid-write, mid-commit
             proc.send_signal(signal.SIGKILL)
         proc.communicate()
         if proc.returncode == -signal.SIGKILL:
             kills += 1
             assert set(rows_by_id(outdir)) <= set(expected)  # readable, no partial part
+    print(f"SIGTERM after {committed} rows, then {kills} SIGKILLs")
     assert kills >= 1, "the job finished before it could be killed; make it longer"
 
     final = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
