@@ -131,6 +131,8 @@ class OutputDir:
                                "output; choose a new or empty directory")
             return None
         if manifest.fingerprint != fingerprint(job):
+            if not manifest.parts:
+                return None  # a start that failed before finishing any row: nothing to keep
             diff = ", ".join(job_differences(manifest.job, job)) or "settings"
             raise JobError(f"--output {self.path} holds the output of a different job ({diff} "
                            "differ); pass --overwrite to replace it, or choose another --output")

@@ -42,6 +42,13 @@ def parse_size(text: str | int) -> int:
     return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
 
 
+def engine_flags_in(message: str) -> str:
+    """An engine error message with EngineConfig field names replaced by their flags."""
+    for name, field_ in ENGINE_OPTIONS.items():
+        message = re.sub(rf"\b{field_}\b", flag(name), message)
+    return message
+
+
 def flag(name: str) -> str:
     """The command-line flag of an option name: max_num_seqs -> --max-num-seqs."""
     return "--" + name.replace("_", "-")
@@ -160,10 +167,7 @@ class JobOptions:
         try:
             return EngineConfig(model=self.model, **self.engine_kwargs())
         except ValueError as e:
-            message = str(e)
-            for name, field_ in ENGINE_OPTIONS.items():
-                message = re.sub(rf"\b{field_}\b", flag(name), message)
-            raise JobError(message)
+            raise JobError(engine_flags_in(str(e)))
 
     def system_prompt_text(self) -> str | None:
         """--system-prompt as given, or the contents of the file after an "@"."""
@@ -194,6 +198,3 @@ class JobOptions:
             "save_token_ids": self.save_token_ids,
             "sampling": params,
         }
-
-    def as_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}

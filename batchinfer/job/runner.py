@@ -22,13 +22,13 @@ from batchinfer.job.errors import JobError
 from batchinfer.job.manifest import Manifest, OutputDir, fingerprint, now_iso
 from batchinfer.job.metrics import JobMetrics
 from batchinfer.job.openai_output import write_openai_output
-from batchinfer.job.options import JobOptions
+from batchinfer.job.options import JobOptions, engine_flags_in
 from batchinfer.job.ordering import ReorderWindow
 from batchinfer.job.progress import Progress
 from batchinfer.job.prompts import (PromptBuilder, PromptSpec, WorkItem, check_kinds,
                                     check_types, detect)
 from batchinfer.job.rangeset import RangeSet
-from batchinfer.job.reader import open_input
+from batchinfer.job.reader import Source, open_input
 from batchinfer.job.schema import schema_from_json, schema_to_json
 from batchinfer.job.summary import compute_summary, print_table, write_summary
 from batchinfer.job.writer import PartWriter, error_rows, output_schema, sample_rows
@@ -95,25 +95,28 @@ class _Plan:
     fresh: bool
 
 
-def _plan(options: JobOptions, source, outdir: OutputDir) -> _Plan:
+def _plan(options: JobOptions, source: Source, outdir: OutputDir) -> _Plan:
     job = {"input": source.identity(), **options.identity()}
     manifest = outdir.check(job, options.overwrite)
     if manifest is not None:
-        return _Plan(PromptSpec(**manifest.prompt), schema_from_json(manifest.input_schema),
+        plan = _Plan(PromptSpec(**manifest.prompt), schema_from_json(manifest.input_schema),
                      set(manifest.json_columns), manifest, fresh=False)
-    inspection = source.inspect()
-    spec = detect(inspection.columns, options)
-    if inspection.types is not None:
-        check_kinds(spec, set(inspection.types.kinds[spec.column]))
-    input_schema, json_columns = inspection.schema(spec.restrict())
-    check_types(spec, input_schema)
-    if options.output_format == "openai" and spec.mode != "openai":
+    else:
+        inspection = source.inspect()
+        spec = detect(inspection.columns, options)
+        if inspection.types is not None:
+            check_kinds(spec, set(inspection.types.kinds[spec.column]))
+        input_schema, json_columns = inspection.schema(spec.restrict())
+        check_types(spec, input_schema)
+        schema = output_schema(input_schema, spec, options.save_token_ids,
+                               options.logprobs is not None)
+        manifest = Manifest(fingerprint(job), job, spec.as_dict(), schema_to_json(input_schema),
+                            sorted(json_columns), schema_to_json(schema), inspection.num_rows)
+        plan = _Plan(spec, input_schema, json_columns, manifest, fresh=True)
+    if options.output_format == "openai" and plan.spec.mode != "openai":
         raise JobError("--output-format openai needs OpenAI Batch input (lines with "
                        "custom_id and body)")
-    schema = output_schema(input_schema, spec, options.save_token_ids, options.logprobs is not None)
-    manifest = Manifest(fingerprint(job), job, spec.as_dict(), schema_to_json(input_schema),
-                        sorted(json_columns), schema_to_json(schema), inspection.num_rows)
-    return _Plan(spec, input_schema, json_columns, manifest, fresh=True)
+    return plan
 
 
 def run_job(options: JobOptions, engine_factory: EngineFactory | None = None,
@@ -162,8 +165,10 @@ def _run_engine(options: JobOptions, source, plan: _Plan, writer: PartWriter, do
         print(DEMO_NOTICE, file=err)
     try:
         engine = engine_factory(options.model, options.engine_kwargs())
-    except (FileNotFoundError, ValueError) as e:
+    except FileNotFoundError as e:
         raise JobError(f"--model {options.model}: {e}") from None
+    except ValueError as e:
+        raise JobError(f"cannot start the engine: {engine_flags_in(str(e))}") from None
     params = options.sampling_params()
     builder = PromptBuilder(plan.spec, params, options.system_prompt_text(), engine.render_chat)
     window: ReorderWindow[WorkItem] = ReorderWindow(options.reorder_window)

@@ -140,11 +140,6 @@ class PartWriter:
         self._indices: list[int] = []
         self._last_commit = self.started
 
-    @property
-    def pending(self) -> int:
-        """Input rows finished but not committed yet."""
-        return len(self._indices)
-
     def add(self, index: int, rows: list[dict[str, Any]]) -> None:
         self._indices.append(index)
         self._rows.extend((index, r["sample_index"], r) for r in rows)

@@ -33,7 +33,6 @@ class FakeEngine:
         self.config = FakeConfig(max_num_seqs, max_model_len)
         self.tokenizer = FakeTokenizer()
         self._queue: deque[tuple[str, list[int], SamplingParams, float, str | None]] = deque()
-        self.num_added = 0
 
     @classmethod
     def factory(cls, model: str, kwargs: dict[str, Any]) -> "FakeEngine":
@@ -48,7 +47,6 @@ class FakeEngine:
         elif len(ids) >= self.config.max_model_len:
             error = f"prompt has {len(ids)} tokens but max_model_len is {self.config.max_model_len}"
         self._queue.append((request_id, ids, params, arrival_time or time.monotonic(), error))
-        self.num_added += 1
 
     def step(self) -> list[RequestOutput]:
         outputs = []

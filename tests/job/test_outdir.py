@@ -105,3 +105,29 @@ def test_job_file_paths_types_and_overrides(tmp_path, monkeypatch):
     (jobs / "unknown.toml").write_text('modle = "demo"\n')
     result = CliRunner().invoke(run, ["--config", str(jobs / "unknown.toml")])
     assert result.exit_code == 2 and "unknown option 'modle'" in result.stderr
+
+
+def test_an_outdir_without_finished_rows_is_not_held_against_a_corrected_command(tmp_path):
+    assert run_fake(fake_job(tmp_path, limit=0)).exit_code == 0  # nothing committed
+    corrected = fake_job(tmp_path, commit_rows=3)
+    corrected.max_tokens = 3
+    assert run_fake(corrected).exit_code == 0
+    assert ds.dataset(tmp_path / "out").to_table().num_rows == 30
+
+
+def test_progress_logs_lines_off_a_terminal():
+    import io
+    from batchinfer.job.progress import Progress
+    stream = io.StringIO()
+    progress = Progress(total=10, initial=4, stream=stream, interval=0.0)
+    progress.update(2, output_tokens=20, prompt_tokens=100, cached_tokens=25)
+    progress.close()
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("batchinfer: 6/10 (60.0%) rows") and "cache hit 25.0%" in lines[0]
+    assert "eta" in lines[0]
+    quiet = io.StringIO()
+    progress = Progress(total=None, initial=0, enabled=False, stream=quiet)
+    progress.update(1, 1, 1, 1)
+    progress.close()
+    assert quiet.getvalue() == ""
