@@ -156,88 +156,125 @@ def run_job(options: JobOptions, engine_factory: EngineFactory | None = None,
             outdir.close()
 
 
-def _run_engine(options: JobOptions, source, plan: _Plan, writer: PartWriter, done: RangeSet,
-                total: int | None, stop: StopSignals, engine_factory: EngineFactory,
-                err: TextIO) -> bool:
-    """The loop. Returns True when every row was processed, False when stopped early."""
-    if options.model == "demo":
-        from batchinfer.demo import DEMO_NOTICE
-        print(DEMO_NOTICE, file=err)
-    try:
-        engine = engine_factory(options.model, options.engine_kwargs())
-    except FileNotFoundError as e:
-        raise JobError(f"--model {options.model}: {e}") from None
-    except ValueError as e:
-        raise JobError(f"cannot start the engine: {engine_flags_in(str(e))}") from None
-    params = options.sampling_params()
-    builder = PromptBuilder(plan.spec, params, options.system_prompt_text(), engine.render_chat)
-    window: ReorderWindow[WorkItem] = ReorderWindow(options.reorder_window)
-    target = max(1, 2 * engine.config.max_num_seqs // params.n)
+def _run_engine(options: JobOptions, source: Source, plan: _Plan, writer: PartWriter,
+                done: RangeSet, total: int | None, stop: StopSignals,
+                engine_factory: EngineFactory, err: TextIO) -> bool:
+    """Start the metrics and the engine, run the loop. Returns True when every row was
+    processed, False when stopped by a signal."""
     metrics = JobMetrics(options.metrics_textfile, options.metrics_interval)
     if total is not None:
         metrics.set_total(total)
-    if options.metrics_port is not None:
-        port = metrics.serve(options.metrics_port, options.metrics_host)
-        print(f"batchinfer: metrics on http://{options.metrics_host}:{port}/metrics", file=err)
-    progress = Progress(total, len(done), options.progress, err, options.progress_interval)
-    inflight: dict[str, WorkItem] = {}
-    batches = source.batches(plan.input_schema, plan.json_columns, done, options.limit)
-    exhausted = False
-    finished: list[list[dict[str, Any]]] = []  # output rows of the input rows just finished
+    try:
+        if options.metrics_port is not None:
+            try:
+                port = metrics.serve(options.metrics_port, options.metrics_host)
+            except OSError as e:
+                raise JobError(f"--metrics-port {options.metrics_port}: cannot listen on "
+                               f"{options.metrics_host}: {e.strerror or e}") from None
+            print(f"batchinfer: metrics on http://{options.metrics_host}:{port}/metrics",
+                  file=err)
+        if options.model == "demo":
+            from batchinfer.demo import DEMO_NOTICE
+            print(DEMO_NOTICE, file=err)
+        try:
+            engine = engine_factory(options.model, options.engine_kwargs())
+        except FileNotFoundError as e:
+            raise JobError(f"--model {options.model}: {e}") from None
+        except ValueError as e:
+            raise JobError(f"cannot start the engine: {engine_flags_in(str(e))}") from None
+        progress = Progress(total, len(done), options.progress, err, options.progress_interval)
+        loop = _Loop(options, source, plan, writer, done, engine, metrics, progress)
+        try:
+            return loop.run(stop)
+        finally:
+            progress.close()
+    finally:
+        metrics.close()
 
-    def record(item: WorkItem, rows: list[dict[str, Any]]) -> None:
-        writer.add(item.row.index, rows)
-        finished.append(rows)
 
-    def report() -> None:
-        metrics.observe_rows(finished)
+class _Loop:
+    """Reads rows into the reorder window, keeps the engine fed, records what finishes."""
+
+    def __init__(self, options: JobOptions, source: Source, plan: _Plan, writer: PartWriter,
+                 done: RangeSet, engine: Any, metrics: JobMetrics, progress: Progress):
+        self.options = options
+        self.writer = writer
+        self.engine = engine
+        self.metrics = metrics
+        self.progress = progress
+        params = options.sampling_params()
+        self.builder = PromptBuilder(plan.spec, params, options.system_prompt_text(),
+                                     engine.render_chat)
+        self.window: ReorderWindow[WorkItem] = ReorderWindow(options.reorder_window)
+        self.target = max(1, 2 * engine.config.max_num_seqs // params.n)
+        self.batches = source.batches(plan.input_schema, plan.json_columns, done, options.limit)
+        self.exhausted = False
+        self.inflight: dict[str, WorkItem] = {}
+        self.finished: list[list[dict[str, Any]]] = []  # output rows of rows just finished
+
+    def run(self, stop: StopSignals) -> bool:
+        try:
+            while not stop.requested:
+                self.fill()
+                self.feed()
+                if not self.inflight and self.exhausted and not len(self.window):
+                    break
+                if self.inflight:
+                    self.step()
+                self.report()
+                if self.writer.due():
+                    self.writer.commit()
+                self.metrics.tick()
+            complete = not stop.requested
+            self.writer.commit(complete=complete)
+            return complete
+        except BaseException:
+            self.writer.commit()  # rows already finished are kept whatever went wrong
+            raise
+
+    def fill(self) -> None:
+        """Read rows until the window is full; rows that cannot be requests are recorded."""
+        while not self.exhausted and self.window.has_room():
+            batch = next(self.batches, None)
+            if batch is None:
+                self.exhausted = True
+                return
+            for row in batch:
+                item = self.builder.build(row)
+                if item.error is None:
+                    self.window.push(item.sort_key, item)
+                else:
+                    self.record(item, error_rows(item))
+
+    def feed(self) -> None:
+        """Top the engine up to about 2 x max_num_seqs unfinished requests."""
+        while len(self.window) and len(self.inflight) < self.target:
+            item = self.window.pop()
+            request_id = str(item.row.index)
+            self.engine.add_request(request_id, item.prompt, item.params)
+            self.inflight[request_id] = item
+
+    def step(self) -> None:
+        for output in self.engine.step():
+            item = self.inflight.pop(output.request_id)
+            self.record(item, sample_rows(item, output, self.options.save_token_ids,
+                                          self.options.logprobs is not None))
+        self.metrics.observe_engine(self.engine.stats())
+
+    def record(self, item: WorkItem, rows: list[dict[str, Any]]) -> None:
+        self.writer.add(item.row.index, rows)
+        self.finished.append(rows)
+
+    def report(self) -> None:
+        """Metrics and progress, once per step for all rows that finished in it."""
+        self.metrics.observe_rows(self.finished)
         output_tokens = prompt_tokens = cached_tokens = 0
-        for rows in finished:
+        for rows in self.finished:
             prompt_tokens += rows[0].get("prompt_tokens") or 0
             cached_tokens += rows[0].get("cached_tokens") or 0
             output_tokens += sum(r["output_tokens"] for r in rows)
-        progress.update(len(finished), output_tokens, prompt_tokens, cached_tokens)
-        finished.clear()
-
-    try:
-        while not stop.requested:
-            while not exhausted and window.has_room():
-                batch = next(batches, None)
-                if batch is None:
-                    exhausted = True
-                    break
-                for row in batch:
-                    item = builder.build(row)
-                    if item.error is None:
-                        window.push(item.sort_key, item)
-                    else:
-                        record(item, error_rows(item))
-            while len(window) and len(inflight) < target:
-                item = window.pop()
-                request_id = str(item.row.index)
-                engine.add_request(request_id, item.prompt, item.params)
-                inflight[request_id] = item
-            if not inflight and exhausted and not len(window):
-                break
-            if inflight:
-                for output in engine.step():
-                    item = inflight.pop(output.request_id)
-                    record(item, sample_rows(item, output, options.save_token_ids,
-                                             options.logprobs is not None))
-                metrics.observe_engine(engine.stats())
-            report()
-            if writer.due():
-                writer.commit()
-            metrics.tick()
-        complete = not stop.requested
-        writer.commit(complete=complete)
-        return complete
-    except BaseException:
-        writer.commit()  # rows already finished are kept whatever went wrong
-        raise
-    finally:
-        progress.close()
-        metrics.close()
+        self.progress.update(len(self.finished), output_tokens, prompt_tokens, cached_tokens)
+        self.finished.clear()
 
 
 def _finish(options: JobOptions, outdir: OutputDir, manifest: Manifest, complete: bool,

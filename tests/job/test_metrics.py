@@ -100,3 +100,16 @@ def test_textfile_written_atomically_with_final_values(tmp_path, run_cli):
     assert values['batchinfer:e2e_request_latency_seconds_bucket{le=+Inf}'] == NUM_ROWS
     assert values["batchinfer:e2e_request_latency_seconds_sum"] > 0
     assert values["batchinfer:num_requests_running"] == 0
+
+
+def test_a_busy_metrics_port_is_a_fatal_mistake(tmp_path, run_cli, monkeypatch):
+    import socket
+    monkeypatch.setattr("batchinfer.job.runner.load_engine", lambda model, kwargs: 1 / 0)
+    write_input(tmp_path / "in.jsonl")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = run_cli(tmp_path / "in.jsonl", "-o", tmp_path / "out", "--metrics-port", port)
+    assert result.exit_code == 2
+    assert result.stderr.startswith(f"Error: --metrics-port {port}: cannot listen")

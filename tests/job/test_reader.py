@@ -101,3 +101,16 @@ def test_column_types_unify_nested_and_fall_back_to_json():
     assert schema.field("m").type == pa.list_(pa.struct(
         [("role", pa.string()), ("content", pa.string()), ("name", pa.string())]))
     assert schema.field("x").type == pa.string() and json_columns == {"x"}
+
+
+def test_parquet_directory_with_evolving_schema(tmp_path):
+    (tmp_path / "d").mkdir()
+    pq.write_table(pa.table({"prompt": ["a", "b"], "x": pa.array([1, 2], pa.int32())}),
+                   tmp_path / "d" / "0.parquet")
+    pq.write_table(pa.table({"prompt": ["c"], "x": pa.array([3], pa.int64()), "y": ["new"]}),
+                   tmp_path / "d" / "1.parquet")
+    inspection, schema, _, rows = read_all(tmp_path / "d")
+    assert inspection.num_rows == 3 and schema.field("x").type == pa.int64()
+    assert [r.values for r in rows] == [{"prompt": "a", "x": 1, "y": None},
+                                        {"prompt": "b", "x": 2, "y": None},
+                                        {"prompt": "c", "x": 3, "y": "new"}]
