@@ -5,7 +5,6 @@ from typing import Any
 
 import click
 
-from batchinfer.config import ATTENTION_BACKENDS, DTYPES
 from batchinfer.job.config_file import load_job_file
 from batchinfer.job.errors import JobError
 from batchinfer.job.options import OUTPUT_FORMATS, JobOptions, parse_size
@@ -66,7 +65,7 @@ def _options(f):
         O("--include-stop-str-in-output", is_flag=True, default=None),
         O("--skip-special-tokens/--no-skip-special-tokens", default=None),
         # EngineConfig
-        O("--dtype", type=click.Choice(["auto", *DTYPES])),
+        O("--dtype", help="auto (default), float32, bfloat16 or float16."),
         O("--block-size", type=int), O("--max-num-seqs", type=int),
         O("--max-num-batched-tokens", type=int), O("--max-model-len", type=int),
         O("--kv-cache-memory", type=SizeType(), help="KV cache size, e.g. 4GiB."),
@@ -74,7 +73,7 @@ def _options(f):
         O("--gpu-memory-utilization", type=float),
         O("--prefix-caching/--no-prefix-caching", default=None),
         O("--tensor-parallel-size", type=int),
-        O("--attention-backend", type=click.Choice(ATTENTION_BACKENDS)),
+        O("--attention-backend", help="auto (default), torch or triton."),
         O("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)."),
         O("--tokenizer", help="Tokenizer directory, when not the model's."),
         O("--trust-remote-code", is_flag=True, default=None),

@@ -4,11 +4,13 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from batchinfer.config import EngineConfig
 from batchinfer.job.errors import JobError
 from batchinfer.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from batchinfer.config import EngineConfig
 
 # Options passed through to SamplingParams under the same name (None = its default).
 SAMPLING_OPTIONS = (
@@ -163,7 +165,8 @@ class JobOptions:
         return {field_: getattr(self, name) for name, field_ in ENGINE_OPTIONS.items()
                 if getattr(self, name) is not None}
 
-    def engine_config(self) -> EngineConfig:
+    def engine_config(self) -> "EngineConfig":
+        from batchinfer.config import EngineConfig  # imports torch: not needed for --help
         try:
             return EngineConfig(model=self.model, **self.engine_kwargs())
         except ValueError as e:
