@@ -1,15 +1,20 @@
 """Paged attention in plain PyTorch: the CPU path and the reference for the kernels.
 
-Per step (not per layer) it turns block tables into gather indices and masks; per layer
-it writes the new K/V into the cache and runs SDPA on the gathered context.
-Decodes run as one batched call with the query heads of each KV head folded into the
-query-length axis (no K/V expansion for GQA); prefill chunks run one call each.
-When all decodes share leading blocks (a common system prompt), those blocks are attended
-once for the whole batch (one dense matmul over the shared K/V) and only each sequence's own
-tail is gathered; the two partial results are merged by their log-sum-exp (cascade
-attention). That cuts the bytes copied per layer by the shared fraction of the context.
+Once per step (not per layer) it turns block tables into gather indices and masks; per
+layer it writes the new K/V into the cache, gathers each sequence's context and runs SDPA.
+Decodes are batched, in a few groups of similar length (the runner sorts them) with the
+query heads of each KV head folded into the query axis, so GQA needs no K/V expansion;
+prefill chunks run one call each.
+
+Cascade: when sequences share leading blocks (a common system prompt) that lie wholly
+before all of their queries, those blocks are attended once for the whole batch — one
+dense product of every query row against the shared K/V — and only each sequence's own
+tail is gathered. The two partial results are merged by their log-sum-exp. That removes
+the shared part from every per-sequence copy, which on CPU is most of the cost.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -31,121 +36,124 @@ def _slots(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int)
     return blocks * block_size + positions % block_size
 
 
-def _flash_with_lse(q, k, v, mask, scale):
-    """CPU flash attention returning (out, logsumexp); q/k/v [B, H, L, D]."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, False, attn_mask=mask, scale=scale)[:2]
-    return out, lse
+def _attention_with_lse(q, k, v, mask, scale):
+    """(out, logsumexp) of attention; q/k/v [B, H, L, D], mask additive or None."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=mask, scale=scale)[:2]
+        return out, lse
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores + mask
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.exp(scores - lse[..., None]), v.float())
+    return out.to(q.dtype), lse
 
 
-def _shared_prefix_blocks(block_tables: torch.Tensor, seq_lens: list[int], block_size: int) -> int:
-    """Leading block ids common to every row, leaving each row at least one own token."""
-    if block_tables.shape[0] < 2:
-        return 0
-    limit = (min(seq_lens) - 1) // block_size
-    if limit <= 0:
-        return 0
-    same = (block_tables[:, :limit] == block_tables[:1, :limit]).all(dim=0)
-    differ = torch.nonzero(~same)
-    return int(differ[0, 0]) if differ.numel() else limit
-
-
-def _length_groups(lens: list[int], max_groups: int, min_size: int = 16) -> list[tuple[int, int]]:
-    """Split [0, len(lens)) into up to max_groups contiguous ranges of equal count."""
-    n = len(lens)
+def _length_groups(n: int, max_groups: int, min_size: int = 16) -> list[tuple[int, int]]:
+    """Split [0, n) into up to max_groups contiguous ranges of equal count."""
+    if n == 0:
+        return []
     g = max(1, min(max_groups, n // min_size))
     bounds = [round(i * n / g) for i in range(g + 1)]
     return [(bounds[i], bounds[i + 1]) for i in range(g)]
 
 
+@dataclass
+class _StepPlan:
+    """Gather indices and masks for one step (and one window / dtype)."""
+    shared_slots: torch.Tensor | None     # [P] slots every cascade member sees in full
+    not_member: torch.Tensor | None       # [num_seqs] bool: sequence skips the shared part
+    decode_groups: list[tuple[int, int, torch.Tensor, int, torch.Tensor]]  # a, b, slots, S, mask
+    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]           # start, end, slots, mask
+
+
 class TorchAttention:
     name = "torch"
-    # Below this many shared tokens the extra call costs more than the saved copying.
+    # Below this many shared tokens the extra call costs more than the copying it saves.
     min_cascade_tokens = 64
-    # Decodes are padded to the longest context of their group; the runner sorts them by
-    # length, so a few groups cut the padding to a small fraction.
+    # Decodes are padded to the longest context of their group.
     max_decode_groups = 4
 
-    def _decode_plan(self, meta: AttentionMetadata, window: int | None, dtype: torch.dtype):
-        """Per step: the shared leading blocks (if worth a cascade) and, for each group of
-        decodes of similar length, the slots of their own tokens and a padding mask."""
-        key = ("decode", window, dtype)
-        if key not in meta.cache:
-            nd = meta.num_decode_seqs
-            bs = meta.block_size
-            lens_cpu = meta.seq_lens_cpu[:nd]
-            shared = 0
-            if window is None or max(lens_cpu) <= window:
-                shared = _shared_prefix_blocks(meta.block_tables[:nd], lens_cpu, bs)
-                if shared * bs < self.min_cascade_tokens:
-                    shared = 0
-            start = shared * bs
-            groups = []
-            for a, b in _length_groups(lens_cpu, self.max_decode_groups):
-                seq_lens = meta.seq_lens[a:b].long()
-                pos = torch.arange(start, max(lens_cpu[a:b]), device=seq_lens.device)
-                valid = pos[None, :] < seq_lens[:, None]
-                if window is not None:
-                    valid &= pos[None, :] > (seq_lens[:, None] - 1 - window)
-                pos = torch.minimum(pos[None, :], (seq_lens - 1)[:, None])
-                slots = _slots(meta.block_tables[a:b], pos, bs)
-                mask = torch.zeros(valid.shape, dtype=dtype, device=valid.device)
-                mask.masked_fill_(~valid, float("-inf"))
-                groups.append((a, b, slots.flatten(), slots.shape[1], mask[:, None, None, :]))
-            prefix_slots = None
-            if shared:
-                prefix_pos = torch.arange(start, device=meta.seq_lens.device)[None]
-                prefix_slots = _slots(meta.block_tables[:1], prefix_pos, bs)[0]
-            meta.cache[key] = (groups, prefix_slots)
-        return meta.cache[key]
+    def _cascade(self, meta: AttentionMetadata, window: int | None) -> tuple[int, torch.Tensor | None]:
+        """How many leading blocks to attend once for the batch, and which sequences skip
+        them. A sequence shares a block when it holds the same block id at that index as
+        the reference sequence (one holding the most common first block) and the block
+        lies wholly before the sequence's first query token. The count is chosen to
+        maximise the tokens saved (shared length x sequences sharing it)."""
+        bs, n = meta.block_size, meta.num_seqs
+        lens, qsl = meta.seq_lens_cpu, meta.query_start_loc_cpu
+        if n < 2 or (window is not None and max(lens) > window):
+            return 0, None
+        first_query = torch.tensor([lens[i] - (qsl[i + 1] - qsl[i]) for i in range(n)])
+        limit = int(first_query.max()) // bs
+        if limit * bs < self.min_cascade_tokens:
+            return 0, None
+        tables = meta.block_tables[:, :limit].cpu()
+        ref = int(torch.nonzero(tables[:, 0] == tables[:, 0].mode().values)[0, 0])
+        same = (tables == tables[ref:ref + 1]).int().cumprod(dim=1).sum(dim=1)
+        matched = torch.minimum(same, first_query // bs)
+        best, best_saving = 0, 0
+        for k in matched.unique().tolist():
+            saving = k * int((matched >= k).sum())
+            if k * bs >= self.min_cascade_tokens and (matched >= k).sum() >= 2 and saving > best_saving:
+                best, best_saving = k, saving
+        if not best:
+            return 0, None
+        return best, (matched < best).to(meta.seq_lens.device)
 
-    def _decode(self, q, k_flat, v_flat, meta, window, scale):
-        """q [nd, Hkv, group, D] -> [nd, Hkv, group, D]."""
-        nd, num_kv_heads, group, head_dim = q.shape
-        groups, prefix_slots = self._decode_plan(meta, window, q.dtype)
-        own = torch.empty_like(q)
-        own_lse = torch.empty(nd, num_kv_heads, group, dtype=torch.float32, device=q.device)
-        for a, b, slots, num_slots, mask in groups:
-            k = k_flat.index_select(0, slots).view(b - a, num_slots, num_kv_heads, head_dim)
-            v = v_flat.index_select(0, slots).view(b - a, num_slots, num_kv_heads, head_dim)
-            k, v = k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)
-            if prefix_slots is None:
-                own[a:b] = F.scaled_dot_product_attention(q[a:b], k, v, attn_mask=mask, scale=scale)
-            else:
-                own[a:b], own_lse[a:b] = _flash_with_lse(q[a:b], k, v, mask, scale)
-        if prefix_slots is None:
-            return own
-        # every query row of the batch against the shared prefix, as one [Hkv, nd*group] block
-        qp = q.permute(1, 0, 2, 3).reshape(1, num_kv_heads, nd * group, head_dim)
-        kp = k_flat.index_select(0, prefix_slots).transpose(0, 1)[None].to(q.dtype)
-        vp = v_flat.index_select(0, prefix_slots).transpose(0, 1)[None].to(q.dtype)
-        shared, shared_lse = _flash_with_lse(qp, kp, vp, None, scale)
-        shared = shared.view(num_kv_heads, nd, group, head_dim).transpose(0, 1)
-        shared_lse = shared_lse.view(num_kv_heads, nd, group).transpose(0, 1)
-        top = torch.maximum(own_lse, shared_lse)
-        w_own = torch.exp(own_lse - top)[..., None]
-        w_shared = torch.exp(shared_lse - top)[..., None]
-        merged = (own.float() * w_own + shared.float() * w_shared) / (w_own + w_shared)
-        return merged.to(q.dtype)
+    def _plan(self, meta: AttentionMetadata, window: int | None, dtype: torch.dtype) -> _StepPlan:
+        key = ("plan", window, dtype)
+        if key in meta.cache:
+            return meta.cache[key]
+        bs, nd = meta.block_size, meta.num_decode_seqs
+        device = meta.seq_lens.device
+        shared, not_member = self._cascade(meta, window)
+        prefix = shared * bs
+        # each sequence's own keys start after the shared part (members) or at 0
+        if shared:
+            own_start = torch.where(not_member, 0, prefix)
+        else:
+            own_start = torch.zeros(meta.num_seqs, dtype=torch.long, device=device)
+        own_start_cpu = own_start.tolist()
 
-    def _prefill_plan(self, meta: AttentionMetadata, window: int | None):
-        key = ("prefill", window)
-        if key not in meta.cache:
-            plans = []
-            qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-            device = meta.seq_lens.device
-            for i in range(meta.num_decode_seqs, meta.num_seqs):
-                start, end, seq_len = qsl[i], qsl[i + 1], lens[i]
-                q_len = end - start
-                kpos = torch.arange(seq_len, device=device)
-                qpos = torch.arange(seq_len - q_len, seq_len, device=device)
-                mask = kpos[None, :] <= qpos[:, None]
-                if window is not None:
-                    mask &= kpos[None, :] > qpos[:, None] - window
-                slots = _slots(meta.block_tables[i:i + 1], kpos[None, :], meta.block_size)[0]
-                plans.append((start, end, slots, mask))
-            meta.cache[key] = plans
-        return meta.cache[key]
+        def additive(valid: torch.Tensor) -> torch.Tensor:
+            mask = torch.zeros(valid.shape, dtype=dtype, device=device)
+            return mask.masked_fill_(~valid, float("-inf"))
+
+        decode_groups = []
+        for a, b in _length_groups(nd, self.max_decode_groups):
+            seq_lens = meta.seq_lens[a:b].long()
+            start = own_start[a:b]
+            width = max(l - s for l, s in zip(meta.seq_lens_cpu[a:b], own_start_cpu[a:b]))
+            pos = start[:, None] + torch.arange(width, device=device)[None, :]
+            valid = pos < seq_lens[:, None]
+            if window is not None:
+                valid &= pos > (seq_lens[:, None] - 1 - window)
+            pos = torch.minimum(pos, (seq_lens - 1)[:, None])
+            slots = _slots(meta.block_tables[a:b], pos, bs)
+            decode_groups.append((a, b, slots.flatten(), width, additive(valid)[:, None, None, :]))
+
+        prefills = []
+        qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        for i in range(nd, meta.num_seqs):
+            start, end, seq_len = qsl[i], qsl[i + 1], lens[i]
+            kpos = torch.arange(own_start_cpu[i], seq_len, device=device)
+            qpos = torch.arange(seq_len - (end - start), seq_len, device=device)
+            valid = kpos[None, :] <= qpos[:, None]
+            if window is not None:
+                valid &= kpos[None, :] > qpos[:, None] - window
+            slots = _slots(meta.block_tables[i:i + 1], kpos[None, :], bs)[0]
+            prefills.append((start, end, slots, additive(valid)))
+
+        shared_slots = None
+        if shared:
+            ref = int(torch.nonzero(~not_member)[0, 0])
+            shared_slots = _slots(meta.block_tables[ref:ref + 1],
+                                  torch.arange(prefix, device=device)[None], bs)[0]
+        plan = _StepPlan(shared_slots, not_member, decode_groups, prefills)
+        meta.cache[key] = plan
+        return plan
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -157,18 +165,58 @@ class TorchAttention:
         group = num_heads // num_kv_heads
         k_flat = k_cache.view(-1, num_kv_heads, head_dim)
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-        out = torch.empty_like(query)
-        nd = meta.num_decode_seqs
-        if nd:
-            q = query[:nd].view(nd, num_kv_heads, group, head_dim)
-            o = self._decode(q, k_flat, v_flat, meta, sliding_window, scale)
-            out[:nd] = o.reshape(nd, num_heads, head_dim)
-        if nd < meta.num_seqs:
-            for start, end, slots, mask in self._prefill_plan(meta, sliding_window):
-                q = query[start:end].transpose(0, 1)[None]          # [1, H, L, D]
-                k = k_flat.index_select(0, slots).transpose(0, 1)[None].to(q.dtype)  # [1, Hkv, S, D]
-                v = v_flat.index_select(0, slots).transpose(0, 1)[None].to(q.dtype)
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                                   enable_gqa=group > 1)
-                out[start:end] = o[0].transpose(0, 1)
-        return out
+        plan = self._plan(meta, sliding_window, query.dtype)
+        cascade = plan.shared_slots is not None
+
+        def attend(q, k, v, mask):
+            if cascade:
+                return _attention_with_lse(q, k, v, mask, scale)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale), None
+
+        def gather(slots: torch.Tensor, shape: tuple[int, ...]):
+            k = k_flat.index_select(0, slots).view(*shape, num_kv_heads, head_dim)
+            v = v_flat.index_select(0, slots).view(*shape, num_kv_heads, head_dim)
+            return k.to(query.dtype), v.to(query.dtype)
+
+        # own part, in [tokens, Hkv, group, D] layout
+        q = query.view(num_tokens, num_kv_heads, group, head_dim)
+        out = torch.empty_like(q)
+        lse = torch.empty(num_tokens, num_kv_heads, group, dtype=torch.float32,
+                          device=query.device) if cascade else None
+        for a, b, slots, width, mask in plan.decode_groups:
+            k, v = gather(slots, (b - a, width))
+            o, l = attend(q[a:b], k.transpose(1, 2), v.transpose(1, 2), mask)
+            out[a:b] = o
+            if cascade:
+                lse[a:b] = l
+        for start, end, slots, mask in plan.prefills:
+            k, v = gather(slots, (slots.shape[0],))
+            qi = q[start:end].permute(1, 0, 2, 3).reshape(1, num_kv_heads, -1, head_dim)
+            # query rows are (token, head-in-group) pairs: repeat each token's mask row
+            o, l = attend(qi, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                          mask.repeat_interleave(group, dim=0))
+            o = o.view(num_kv_heads, end - start, group, head_dim).transpose(0, 1)
+            out[start:end] = o
+            if cascade:
+                lse[start:end] = l.view(num_kv_heads, end - start, group).transpose(0, 1)
+        if not cascade:
+            return out.view(num_tokens, num_heads, head_dim)
+
+        # shared part: every query row of the batch in one product against the shared K/V
+        qs = q.permute(1, 0, 2, 3).reshape(1, num_kv_heads, num_tokens * group, head_dim)
+        ks = k_flat.index_select(0, plan.shared_slots).transpose(0, 1)[None].to(query.dtype)
+        vs = v_flat.index_select(0, plan.shared_slots).transpose(0, 1)[None].to(query.dtype)
+        shared, shared_lse = _attention_with_lse(qs, ks, vs, None, scale)
+        shared = shared.view(num_kv_heads, num_tokens, group, head_dim).transpose(0, 1)
+        shared_lse = shared_lse.view(num_kv_heads, num_tokens, group).transpose(0, 1)
+        if plan.not_member.any():
+            token_seq = torch.repeat_interleave(
+                torch.arange(meta.num_seqs, device=query.device),
+                meta.query_start_loc[1:] - meta.query_start_loc[:-1])
+            shared_lse = shared_lse.masked_fill(plan.not_member[token_seq][:, None, None],
+                                                float("-inf"))
+        top = torch.maximum(lse, shared_lse)
+        w_own = torch.exp(lse - top)[..., None]
+        w_shared = torch.exp(shared_lse - top)[..., None]
+        merged = (out.float() * w_own + shared.float() * w_shared) / (w_own + w_shared)
+        return merged.to(query.dtype).view(num_tokens, num_heads, head_dim)

@@ -1,0 +1,110 @@
+"""The CPU attention path against a one-sequence-at-a-time reference, on paged batches
+where sequences share leading blocks (the cascade) and where they do not."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchinfer.attention import AttentionMetadata, TorchAttention
+from batchinfer.kernels.reference import ref_decode_attention, ref_prefill_attention
+
+BLOCK = 16
+KV_HEADS, GROUP, HEAD_DIM = 2, 4, 32
+
+
+def paged_batch(seqs: list[tuple[int, int, int]], dtype=torch.float32, seed=0):
+    """seqs: (shared_blocks, seq_len, query_len). The first `shared_blocks` blocks of each
+    sequence are the same physical blocks (a cached system prompt); the rest are its own.
+    Decodes (query_len 1) must come first."""
+    gen = torch.Generator().manual_seed(seed)
+    shared_ids = list(range(1, 1 + max(s for s, _, _ in seqs)))
+    next_id = 1 + len(shared_ids)
+    tables, slots = [], []
+    for shared, seq_len, q_len in seqs:
+        n_blocks = -(-seq_len // BLOCK)
+        own = list(range(next_id, next_id + n_blocks - shared))
+        next_id += len(own)
+        table = shared_ids[:shared] + own
+        tables.append(table)
+        for p in range(seq_len - q_len, seq_len):
+            slots.append(table[p // BLOCK] * BLOCK + p % BLOCK)
+    shape = (next_id, BLOCK, KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    width = max(map(len, tables))
+    block_tables = torch.zeros(len(seqs), width, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        block_tables[i, :len(t)] = torch.tensor(t)
+    q_lens = [q for _, _, q in seqs]
+    qsl = [0]
+    for q in q_lens:
+        qsl.append(qsl[-1] + q)
+    slot_t = torch.tensor(slots)
+    # the new tokens' K/V are what the cache already holds at their slots
+    key = k_cache.view(-1, KV_HEADS, HEAD_DIM)[slot_t].clone()
+    value = v_cache.view(-1, KV_HEADS, HEAD_DIM)[slot_t].clone()
+    query = torch.randn(qsl[-1], KV_HEADS * GROUP, HEAD_DIM, generator=gen).to(dtype)
+    seq_lens = [s for _, s, _ in seqs]
+    meta = AttentionMetadata(
+        slot_mapping=slot_t, query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=block_tables,
+        max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+        num_decode_seqs=sum(1 for q in q_lens if q == 1), block_size=BLOCK,
+        query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
+    return query, key, value, k_cache, v_cache, meta
+
+
+def reference(query, k_cache, v_cache, meta, window):
+    nd = meta.num_decode_seqs
+    out = ref_prefill_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                meta.query_start_loc, 0.2, window, first_seq=nd)
+    if nd:
+        out[:nd] = ref_decode_attention(query[:nd], k_cache, v_cache, meta.block_tables[:nd],
+                                        meta.seq_lens[:nd], 0.2, window)
+    return out
+
+
+MIXED = [
+    (8, 130, 1), (8, 200, 1), (8, 129, 1), (0, 90, 1), (8, 170, 1),  # decodes; one unshared
+    (8, 129, 1), (8, 200, 40), (8, 150, 22),  # a decode just past the prefix; chunks after it
+    (0, 140, 140),                            # an unrelated prompt
+    (5, 100, 100),  # a prompt computing over part of the shared blocks: sees them causally
+]
+
+
+@pytest.mark.parametrize("window", [None, 48])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+def test_matches_reference(window, dtype, tol):
+    seqs = sorted(MIXED, key=lambda s: s[2] != 1)
+    query, key, value, k_cache, v_cache, meta = paged_batch(seqs, dtype)
+    backend = TorchAttention()
+    out = backend.forward(query, key, value, k_cache, v_cache, meta, 0.2, window)
+    expected = reference(query, k_cache, v_cache, meta, window)
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+    plan = meta.cache[("plan", window, dtype)]
+    # the cascade runs without a window (128 shared tokens), never with one shorter than the context
+    assert (plan.shared_slots is not None) == (window is None)
+    if window is None:
+        assert plan.shared_slots.numel() == 8 * BLOCK
+        assert plan.not_member.tolist() == [s[0] < 8 or s[1] - s[2] < 8 * BLOCK for s in seqs]
+
+
+def test_cascade_picks_the_prefix_most_sequences_share():
+    # 4 sequences share 6 blocks, 2 of them share 10: 6 x 4 saves more than 10 x 2
+    seqs = [(6, 120, 1), (6, 140, 1), (10, 190, 1), (10, 200, 1)]
+    query, key, value, k_cache, v_cache, meta = paged_batch(seqs)
+    backend = TorchAttention()
+    out = backend.forward(query, key, value, k_cache, v_cache, meta, 0.2, None)
+    plan = meta.cache[("plan", None, torch.float32)]
+    assert plan.shared_slots.numel() == 6 * BLOCK
+    torch.testing.assert_close(out, reference(query, k_cache, v_cache, meta, None),
+                               atol=2e-5, rtol=2e-5)
+
+
+def test_no_cascade_below_the_threshold():
+    seqs = [(2, 60, 1), (2, 70, 1), (2, 50, 1)]  # 32 shared tokens: not worth a second call
+    query, key, value, k_cache, v_cache, meta = paged_batch(seqs)
+    out = TorchAttention().forward(query, key, value, k_cache, v_cache, meta, 0.2, None)
+    assert meta.cache[("plan", None, torch.float32)].shared_slots is None
+    torch.testing.assert_close(out, reference(query, k_cache, v_cache, meta, None),
+                               atol=2e-5, rtol=2e-5)
