@@ -105,8 +105,9 @@ class _BenchGroup(click.Group):
 @click.option("--baseline", type=click.Choice(["none", "hf"]), default="none",
               help="hf: the same prompts through transformers (static batching and, where "
                    "the installed version has it, continuous batching).")
-@click.option("--hf-batch-sizes", default="8,32,64,128", callback=_parse_int_list,
-              help="Static-batching batch sizes to try; the fastest is reported.")
+@click.option("--hf-batch-sizes", default="8,32,64,128,256", callback=_parse_int_list,
+              help="Static-batching batch sizes to try (capped at the prompt count); the "
+                   "fastest is reported.")
 @click.option("--model-stub", is_flag=True,
               help="Engine-overhead mode: the model's forward is a no-op; reports ms per "
                    "decode step at each of --num-seqs.")
