@@ -98,7 +98,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.new_requests.append(NewRequestData(
-                req.request_id, req.token_ids, req.num_prompt_tokens, req.params,
+                req.request_id, list(req.token_ids), req.num_prompt_tokens, req.params,
                 self.kv.block_ids(req.request_id), num_hit))
             out.num_scheduled_tokens[req.request_id] = n
             budget -= n
