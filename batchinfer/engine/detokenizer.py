@@ -37,9 +37,10 @@ class IncrementalDetokenizer:
         self.text += new_text
         if not check_stop:
             return None
-        for stop in self.stop:
-            pos = self.text.find(stop, search_from)
-            if pos >= 0:
-                self.text = self.text[:pos + len(stop)] if self.include_stop else self.text[:pos]
-                return stop
-        return None
+        found = [(pos, stop) for stop in self.stop
+                 if (pos := self.text.find(stop, search_from)) >= 0]
+        if not found:
+            return None
+        pos, stop = min(found)  # the stop string that appears first
+        self.text = self.text[:pos + len(stop)] if self.include_stop else self.text[:pos]
+        return stop

@@ -51,7 +51,6 @@ class Request:
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0 if params.logprobs is not None else None
         self.detokenizer = None  # set by the engine when stop strings need incremental text
-        self.text: str | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -100,3 +100,15 @@ def test_sampling_params_validation():
                 dict(min_tokens=5, max_tokens=2), dict(stop=[""])):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
+
+
+def test_earliest_stop_string_wins():
+    from batchinfer.engine.detokenizer import IncrementalDetokenizer
+
+    class CharTokenizer:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(i) for i in ids)
+
+    detok = IncrementalDetokenizer(CharTokenizer(), ["world", "lo"], True, False)
+    stops = [detok.add(ord(c)) for c in "hello world"]
+    assert "lo" in stops and detok.text == "hel"
