@@ -131,3 +131,10 @@ def test_kernels_subcommand_is_wired():
     result = CliRunner().invoke(bench, ["kernels", "--help"])
     assert result.exit_code == 0, result.output
     assert "Usage: bench kernels" in result.output
+
+
+def test_bench_is_a_batchinfer_subcommand():
+    from batchinfer.cli import main
+    result = CliRunner().invoke(main, ["bench", "--help"])
+    assert result.exit_code == 0, result.output
+    assert "--baseline" in result.output and "--model-stub" in result.output

@@ -1,0 +1,57 @@
+"""Summary arithmetic on a hand-made run: slot utilisation, decode bandwidth, prefill MFU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchinfer.bench.engine_run import EngineRun, StepSample
+from batchinfer.bench.report import engine_summary, summary_lines
+from batchinfer.bench.roofline import DevicePeak, ModelShape
+
+SHAPE = ModelShape(num_layers=2, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4,
+                   intermediate_size=16, vocab_size=10)
+
+
+def make_run() -> EngineRun:
+    steps = [
+        # a prefill step: two 20-token prompts, the second with 16 tokens cached
+        StepSample(0.5, prefill_tokens=24, num_running=2, context_tokens=40, tokens_held=24,
+                   blocks_in_use=2),
+        # two decode steps reading the previous step's contexts plus one new token each
+        StepSample(0.25, prefill_tokens=0, num_running=2, context_tokens=42, tokens_held=26,
+                   blocks_in_use=3),
+        StepSample(0.25, prefill_tokens=0, num_running=0, context_tokens=0, tokens_held=0,
+                   blocks_in_use=0),
+    ]
+    return EngineRun(elapsed_s=1.0, prompt_tokens=40, output_tokens=6, ttft_s=[0.5, 0.5],
+                     tpot_s=[0.25, 0.25], num_cached_tokens=[0, 16], prompt_lens=[20, 20],
+                     stats_delta={"prefix_cache_queried_tokens": 40,
+                                  "prefix_cache_hit_tokens": 16, "num_preemptions": 0,
+                                  "num_prompt_tokens_computed": 24},
+                     steps=steps)
+
+
+def test_summary_without_a_known_device():
+    s = engine_summary(make_run(), block_size=16, num_kv_blocks=8, shape=SHAPE,
+                       weight_bytes=1000, dtype=torch.float32, peak=None)
+    assert s["tokens_per_second"] == 46 and s["output_tokens_per_second"] == 6
+    assert s["prefix_cache_hit_rate"] == pytest.approx(0.4)
+    assert s["prefill_tokens_computed"] == 24 and s["cached_prompt_tokens"] == 16
+    # the peak is the step with 3 blocks: 26 tokens in 48 slots
+    assert s["peak_kv_blocks_in_use"] == 3
+    assert s["peak_kv_slot_utilization"] == pytest.approx(26 / 48)
+    assert s["decode_bandwidth_gb_per_s"] is None and s["prefill_mfu"] is None
+    assert summary_lines(s)[0] == ("Throughput: 2.00 requests/s, 46.00 total tokens/s, "
+                                   "6.00 output tokens/s")
+
+
+def test_bandwidth_and_mfu_against_a_peak():
+    peak = DevicePeak("test", flops_per_s=1e6, bytes_per_s=1e4)
+    s = engine_summary(make_run(), block_size=16, num_kv_blocks=8, shape=SHAPE,
+                       weight_bytes=1000, dtype=torch.float32, peak=peak)
+    kv = SHAPE.kv_bytes_per_token(4)
+    read = (1000 + kv * (40 + 2)) + (1000 + kv * (42 + 2))
+    assert s["decode_bandwidth_gb_per_s"] == pytest.approx(read / 0.5 / 1e9)
+    assert s["decode_bandwidth_fraction_of_peak"] == pytest.approx(read / 0.5 / 1e4)
+    flops = SHAPE.prefill_flops(20, 0) + SHAPE.prefill_flops(20, 16)
+    assert s["prefill_mfu"] == pytest.approx(flops / 0.5 / 1e6)
