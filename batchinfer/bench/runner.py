@@ -61,17 +61,19 @@ def _check_fits(requests: list[BenchRequest], max_model_len: int) -> None:
                          "or raise --max-model-len")
 
 
-def _run_ours(source: ModelSource, opts: dict, requests, enable_prefix_caching: bool,
-              workload_name: str | None = None) -> tuple[dict, dict]:
-    """(summary, facts about the engine) for one engine run; the engine is freed after."""
+def _run_ours(source: ModelSource, opts: dict, enable_prefix_caching: bool,
+              requests: list[BenchRequest] | None = None) -> tuple[dict, dict]:
+    """(summary, facts about the engine and workload) for one engine run, on the given
+    requests or on those the flags describe; the engine is freed after."""
     from batchinfer.engine.engine import LLMEngine
     engine = LLMEngine.from_kwargs(model=source.path, load_format=source.load_format,
                                    **_engine_kwargs(opts, enable_prefix_caching))
     try:
+        workload_name = None
         if requests is None:
-            workload_name, requests = build_requests(
-                opts, engine.model_config.vocab_size,
-                lambda text: engine.tokenizer.encode(text, add_special_tokens=False))
+            # text prompts are tokenised as the engine tokenises a text prompt
+            workload_name, requests = build_requests(opts, engine.model_config.vocab_size,
+                                                     engine.tokenizer.encode)
         _check_fits(requests, engine.config.max_model_len)
         model = engine.model_runner.model
         param = next(model.parameters())
@@ -111,15 +113,15 @@ def _device_name(device: torch.device) -> str:
 
 def run_bench(opts: dict) -> dict:
     """The throughput benchmark; prints the human-readable lines, returns the summary."""
+    if opts["compare_prefix_caching"] and not opts["enable_prefix_caching"]:
+        raise ValueError("--compare-prefix-caching runs caching on and off; "
+                         "drop --no-prefix-caching")
     source = resolve_model(opts["model"], need_weights=opts["baseline"] == "hf",
                            cache_dir=opts["cache_dir"])
-    summary, facts = _run_ours(source, opts, None, opts["enable_prefix_caching"])
+    summary, facts = _run_ours(source, opts, opts["enable_prefix_caching"])
     requests = facts["requests"]
     if opts["compare_prefix_caching"]:
-        if not opts["enable_prefix_caching"]:
-            raise ValueError("--compare-prefix-caching runs caching on and off; "
-                             "drop --no-prefix-caching")
-        off, _ = _run_ours(source, opts, requests, False)
+        off, _ = _run_ours(source, opts, False, requests)
         summary["prefix_caching_off"] = off
         summary["prefix_caching_speedup"] = off["elapsed_time"] / summary["elapsed_time"]
         summary["prefill_tokens_saved_fraction"] = (

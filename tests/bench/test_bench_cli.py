@@ -113,12 +113,24 @@ def test_model_stub_reports_ms_per_step(cache_dir):
                           out, re.M)) == 2
 
 
+def test_file_dataset(cache_dir, tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": "The quick brown fox jumps over the lazy dog"}) + "\n"
+                    + json.dumps({"prompt_token_ids": [11, 12, 13, 14], "output_len": 2}) + "\n")
+    _, summary = run_bench(cache_dir, "--dataset-name", "file", "--dataset-path", str(path),
+                           "--output-len", "3")
+    assert summary["workload"]["name"] == "file"
+    assert summary["num_requests"] == 2 and summary["output_tokens"] == 3 + 2
+    assert summary["prompt_tokens"] > 4
+
+
 @pytest.mark.parametrize("args, message", [
     (["--dataset-name", "file"], "--dataset-name file needs --dataset-path"),
     (["--model", "no-such-shape"], "neither a directory nor a named shape"),
     (["--input-len", "5000"], "max_model_len"),
     (["--hf-batch-sizes", "4,x"], "comma-separated positive integers"),
     (["--kv-cache-memory", "lots"], "2GiB"),
+    (["--compare-prefix-caching", "--no-prefix-caching"], "drop --no-prefix-caching"),
 ])
 def test_bad_flags_are_usage_errors(cache_dir, args, message):
     result = CliRunner().invoke(bench, ["--model", "tiny", "--cache-dir", str(cache_dir),
