@@ -76,7 +76,7 @@ _COUNTERS = ("prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "num_pree
              "num_prompt_tokens_computed")
 
 
-def run_workload(engine, requests: list[BenchRequest], *, sample_steps: bool = True) -> EngineRun:
+def run_workload(engine, requests: list[BenchRequest]) -> EngineRun:
     """Run every request to completion; raise RuntimeError naming the first failed one."""
     before = engine.stats()
     arrival = time.monotonic()
@@ -97,11 +97,9 @@ def run_workload(engine, requests: list[BenchRequest], *, sample_steps: bool = T
             if out.error:
                 raise RuntimeError(f"request {out.request_id} failed: {out.error}")
             finished[out.request_id] = out
-        if sample_steps:
-            stats = engine.stats()
-            now = stats.get("num_prompt_tokens_computed", 0)
-            steps.append(StepSample(dt, now - computed, *kv_occupancy(engine)))
-            computed = now
+        now = engine.stats().get("num_prompt_tokens_computed", 0)
+        steps.append(StepSample(dt, now - computed, *kv_occupancy(engine)))
+        computed = now
     after = engine.stats()
     delta = {k: after[k] - before[k] for k in _COUNTERS if k in after and k in before}
 
