@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ._launch import check_inputs, dot_settings, next_power_of_2
+from ._paged import load_kv_tile
 
 
 @triton.jit
@@ -86,19 +87,9 @@ def _paged_prefill_kernel(
     for tile_start in range(lo, hi, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
         pos_ok = pos < hi
-        block = tl.load(block_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
-        in_block = (pos % BLOCK_SIZE).to(tl.int64)
-        kv_mask = pos_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_head + (block * stride_kb + in_block * stride_ks)[:, None]
-                    + d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        v = tl.load(v_head + (block * stride_vb + in_block * stride_vs)[:, None]
-                    + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        if DOT_F32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        else:
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
+        k, v = load_kv_tile(block_row, k_head, v_head, pos, pos_ok, d, d_ok, q,
+                            stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+                            BLOCK_SIZE, DOT_F32)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
