@@ -5,9 +5,8 @@ running request, updated from the plan's deltas, so a step touches only what cha
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import ctypes
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -129,8 +128,10 @@ class ModelRunner:
         return int(total * self.config.gpu_memory_utilization) - peak
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        # zeros: untouched pages stay unbacked on CPU, and padding reads are finite
-        cache = torch.zeros((self.num_layers, 2, num_blocks, *self.kv_shape), dtype=self.dtype,
+        # Left uninitialised: no backend reads a slot before it is written (padding reads
+        # are clamped to written positions or masked loads), and on CPU the pages of a
+        # large pool are only backed by memory once blocks are used.
+        cache = torch.empty((self.num_layers, 2, num_blocks, *self.kv_shape), dtype=self.dtype,
                             device=self.device)
         return [(cache[i, 0], cache[i, 1]) for i in range(self.num_layers)]
 
