@@ -26,3 +26,17 @@ def load_kv_tile(block_row, k_head, v_head, pos, pos_ok, d, d_ok, like,
         k = k.to(like.dtype)
         v = v.to(like.dtype)
     return k, v
+
+
+@triton.jit
+def online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """Fold one tile of base-2 scores s [M, N] (masked entries -inf) and its values
+    v [N, D] into the running max m_i, sum l_i and unnormalised output acc. Rows that
+    have seen only masked keys keep m_i = -inf and add nothing."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_ref[:, None])
+    alpha = tl.exp2(m_i - m_ref)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc

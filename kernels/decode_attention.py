@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ._launch import check_inputs, dot_settings, next_power_of_2
-from ._paged import load_kv_tile
+from ._paged import load_kv_tile, online_softmax_step
 
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
@@ -91,13 +91,7 @@ def _paged_decode_kernel(
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(pos_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_ref[:, None])
-        alpha = tl.exp2(m_i - m_ref)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
     if SPLIT:
         part = (seq * (GROUP * tl.num_programs(1)) + heads) * num_splits + split
