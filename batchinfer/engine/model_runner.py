@@ -116,8 +116,10 @@ class ModelRunner:
         caches = self._allocate_kv_cache(probe_blocks)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         positions = torch.arange(n, device=self.device) % self.model.config.max_position_embeddings
-        meta = self._metadata(np.array([0]), np.array([n]), np.arange(probe_blocks)[None, :],
-                              np.arange(n), 0)
+        starts, num_new = np.array([0]), np.array([n])
+        qsl, slot_positions = self._positions(starts, num_new)
+        meta = self._metadata(starts, num_new, qsl, slot_positions,
+                              np.arange(probe_blocks)[None, :], 0)
         with torch.inference_mode():
             hidden = self.model(ids, positions, meta, caches)
             self.model.compute_logits(hidden[-min(n, self.config.max_num_seqs):])
@@ -166,11 +168,19 @@ class ModelRunner:
                 self.block_table[state.row, state.num_blocks:end] = cached.new_block_ids
                 state.num_blocks = end
 
-    def _metadata(self, starts: np.ndarray, num_new: np.ndarray, block_tables: np.ndarray,
-                  positions: np.ndarray, num_decodes: int) -> AttentionMetadata:
-        seq_lens = starts + num_new
+    @staticmethod
+    def _positions(starts: np.ndarray, num_new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(query_start_loc, position of every new token) for requests that compute
+        num_new tokens from position starts."""
         qsl = np.zeros(len(num_new) + 1, dtype=np.int64)
         np.cumsum(num_new, out=qsl[1:])
+        positions = np.arange(qsl[-1], dtype=np.int64) + np.repeat(starts - qsl[:-1], num_new)
+        return qsl, positions
+
+    def _metadata(self, starts: np.ndarray, num_new: np.ndarray, qsl: np.ndarray,
+                  positions: np.ndarray, block_tables: np.ndarray,
+                  num_decodes: int) -> AttentionMetadata:
+        seq_lens = starts + num_new
         token_seq = np.repeat(np.arange(len(num_new)), num_new)
         bs = self.block_size
         slots = block_tables[token_seq, positions // bs] * bs + positions % bs
@@ -204,13 +214,11 @@ class ModelRunner:
                 input_ids.append(state.token_ids[start])
             else:
                 input_ids.extend(state.token_ids[start:start + n])
-        total = len(input_ids)
-        qsl_ends = np.cumsum(num_new)
-        positions = np.arange(total, dtype=np.int64) + np.repeat(starts - (qsl_ends - num_new), num_new)
+        qsl, positions = self._positions(starts, num_new)
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
         max_blocks = -(-int((starts + num_new).max()) // self.block_size)
         block_tables = self.block_table[rows, :max_blocks]
-        meta = self._metadata(starts, num_new, block_tables, positions, len(decodes))
+        meta = self._metadata(starts, num_new, qsl, positions, block_tables, len(decodes))
 
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.from_numpy(positions).to(self.device)
@@ -222,7 +230,7 @@ class ModelRunner:
         if len(sample_idx) == 0:
             return RunnerOutput([], [])
         sample_states = [states[i] for i in sample_idx]
-        logits = self.model.compute_logits(hidden[torch.from_numpy(qsl_ends[sample_idx] - 1).to(self.device)])
+        logits = self.model.compute_logits(hidden[torch.from_numpy(qsl[sample_idx + 1] - 1).to(self.device)])
         sampled = self.sampler(logits, self._sampling_batch(sample_states))
         tokens = sampled.token_ids.tolist()
         for state, token in zip(sample_states, tokens):
