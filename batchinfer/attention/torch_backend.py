@@ -65,7 +65,7 @@ class _StepPlan:
     shared_slots: torch.Tensor | None     # [P] slots every cascade member sees in full
     not_member: torch.Tensor | None       # [num_seqs] bool: sequence skips the shared part
     decode_groups: list[tuple[int, int, torch.Tensor, int, torch.Tensor]]  # a, b, slots, S, mask
-    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]           # start, end, slots, mask
+    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]           # start, end, slots, mask per query row
 
 
 class TorchAttention:
@@ -117,7 +117,9 @@ class TorchAttention:
             return 0, None
         return best, (matched < best).to(meta.seq_lens.device)
 
-    def _plan(self, meta: AttentionMetadata, window: int | None, dtype: torch.dtype) -> _StepPlan:
+    def _plan(self, meta: AttentionMetadata, window: int | None, dtype: torch.dtype,
+              group: int) -> _StepPlan:
+        # group (query heads per KV head) is fixed for a model, so it is not part of the key
         key = ("plan", window, dtype)
         if key in meta.cache:
             return meta.cache[key]
@@ -159,7 +161,8 @@ class TorchAttention:
             if window is not None:
                 valid &= kpos[None, :] > qpos[:, None] - window
             slots = _slots(meta.block_tables[i:i + 1], kpos[None, :], bs)[0]
-            prefills.append((start, end, slots, additive(valid)))
+            # query rows are (token, head-in-group) pairs: each token's mask row, repeated
+            prefills.append((start, end, slots, additive(valid).repeat_interleave(group, dim=0)))
 
         shared_slots = None
         if shared:
@@ -180,7 +183,7 @@ class TorchAttention:
         group = num_heads // num_kv_heads
         k_flat = k_cache.view(-1, num_kv_heads, head_dim)
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-        plan = self._plan(meta, sliding_window, query.dtype)
+        plan = self._plan(meta, sliding_window, query.dtype, group)
         cascade = plan.shared_slots is not None
 
         def attend(q, k, v, mask):
@@ -211,9 +214,7 @@ class TorchAttention:
         for start, end, slots, mask in plan.prefills:
             k, v = gather(slots, (slots.shape[0],))
             qi = q[start:end].permute(1, 0, 2, 3).reshape(1, num_kv_heads, -1, head_dim)
-            # query rows are (token, head-in-group) pairs: repeat each token's mask row
-            o, l = attend(qi, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                          mask.repeat_interleave(group, dim=0))
+            o, l = attend(qi, k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask)
             o = o.view(num_kv_heads, end - start, group, head_dim).transpose(0, 1)
             out[start:end] = o
             if cascade:
