@@ -54,7 +54,7 @@ class Sampler:
         if batch.repetition_penalty is not None:
             logits = self._apply_penalties(logits, batch)
         if batch.all_greedy:
-            tokens = logits.max(dim=-1).indices  # faster than argmax on CPU
+            tokens = greedy_argmax(logits)
         else:
             tokens = self._sample(logits, batch)
         out = SamplerOutput(tokens)
@@ -71,7 +71,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         temperature = batch.temperature
         greedy_rows = temperature < 1e-5
-        greedy_tokens = logits.max(dim=-1).indices
+        greedy_tokens = greedy_argmax(logits)
         logits = logits / torch.where(greedy_rows, 1.0, temperature)[:, None]
         if batch.min_p is not None:
             probs = logits.softmax(dim=-1)
@@ -109,6 +109,38 @@ class Sampler:
         logits = logits - batch.frequency_penalty[:, None] * output_counts
         logits = logits - batch.presence_penalty[:, None] * (output_counts > 0).to(logits.dtype)
         return logits
+
+
+_ARGMAX_CHUNK = 128
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax (first index of the maximum, as torch.argmax) of [N, V] logits.
+
+    On CPU a reduction that also tracks indices is several times slower than one that
+    only finds the value, so this takes the maximum of each 128-wide chunk (value only),
+    picks each row's first chunk holding the row maximum, and searches only that chunk.
+    (max(dim).indices, like argmax, gives the first maximum and is faster on CPU.)
+    """
+    n, vocab = logits.shape
+    if logits.device.type != "cpu" or vocab < 8 * _ARGMAX_CHUNK or not logits.is_contiguous():
+        return logits.argmax(dim=-1)
+    c = _ARGMAX_CHUNK
+    full = vocab // c
+    chunks = logits.as_strided((n, full, c), (vocab, c, 1))
+    chunk_max = chunks.amax(dim=-1)
+    rows = torch.arange(n, device=logits.device)
+    if full * c == vocab:
+        best_chunk = chunk_max.max(dim=-1).indices
+        values = chunks[rows, best_chunk]
+    else:
+        chunk_max = torch.cat([chunk_max, logits[:, full * c:].amax(dim=-1, keepdim=True)], dim=1)
+        best_chunk = chunk_max.max(dim=-1).indices
+        # the short last chunk reads its final column again past the end; those repeats
+        # come after the real column, so the first maximum is still a real index
+        cols = best_chunk[:, None] * c + torch.arange(c, device=logits.device)
+        values = logits.gather(1, cols.clamp_(max=vocab - 1))
+    return best_chunk * c + values.max(dim=-1).indices
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,

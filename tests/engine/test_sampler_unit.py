@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from batchinfer.engine.sampler import Sampler, SamplingBatch
+from batchinfer.engine.sampler import Sampler, SamplingBatch, greedy_argmax
 
 N = 20_000  # samples per statistical check: 4 sigma of a frequency is below 0.015
 PROBS = torch.tensor([0.40, 0.25, 0.15, 0.10, 0.06, 0.04])
@@ -235,3 +235,17 @@ def test_zero_logprobs_returns_only_the_sampled_token():
 def test_no_logprobs_unless_asked():
     out = sampler()(torch.randn(2, 5), SamplingBatch(all_greedy=True))
     assert out.logprob_ids is None and out.logprob_values is None and out.sampled_ranks is None
+
+
+@pytest.mark.parametrize("vocab", [1024, 1030, 8192, 49152])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_argmax_is_the_first_maximum(vocab, dtype):
+    gen = torch.Generator().manual_seed(vocab)
+    # rounded values: many rows hold their maximum more than once
+    logits = (torch.randn(64, vocab, generator=gen) * 2).round().to(dtype)
+    logits[0, -1] = 50        # the very last column (inside a short last chunk when vocab % 128)
+    logits[1, 3] = logits[1, vocab - 2] = 50   # a tie across chunks: the first must win
+    logits[2, 130] = logits[2, 131] = 50       # a tie inside one chunk
+    expected = logits.argmax(dim=-1)
+    assert torch.equal(greedy_argmax(logits), expected)
+    assert greedy_argmax(logits)[:3].tolist() == [vocab - 1, 3, 130]
