@@ -163,9 +163,10 @@ class LLMEngine:
                 self.num_prompt_tokens_computed += min(n, req.num_prompt_tokens - req.num_computed_tokens)
             req.num_computed_tokens += n
         self.num_generated_tokens += len(result.token_ids)
+        requests = self.requests
         for i, (req_id, token) in enumerate(zip(result.req_ids, result.token_ids)):
-            req = self.requests[req_id]
-            req.append_token(token)
+            req = requests[req_id]
+            req.token_ids.append(token)
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             if req.logprobs is not None:
@@ -180,7 +181,8 @@ class LLMEngine:
         return finished
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
-        past_min = req.num_output_tokens >= req.params.min_tokens
+        num_output = len(req.token_ids) - req.num_prompt_tokens
+        past_min = num_output >= req.params.min_tokens
         if past_min and token in req.stop_token_ids:
             if token in req.params.stop_token_ids:
                 req.stop_reason = token
@@ -192,7 +194,7 @@ class LLMEngine:
             if stop is not None:
                 req.stop_reason = stop
                 return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens:
+        if num_output >= req.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -59,13 +59,15 @@ class KVCacheManager:
         the cache hits passed in). Returns the newly allocated blocks, or None (and changes
         nothing) when the pool cannot hold them. The prefix-cache counters count a request
         when it is admitted (here), not each time a waiting request is queried."""
-        blocks = self.req_blocks.setdefault(request.request_id, [])
-        admitted = not blocks
         total = request.num_computed_tokens + num_computed_tokens + num_new_tokens
-        if (not computed_blocks and total <= len(blocks) * self.block_size
+        blocks = self.req_blocks.get(request.request_id)
+        if blocks is None:
+            blocks = self.req_blocks[request.request_id] = []
+        elif (not computed_blocks and total <= len(blocks) * self.block_size
                 and (not self.enable_caching
                      or total // self.block_size <= self.num_cached_blocks.get(request.request_id, 0))):
             return []  # the common decode step: room in the last block, nothing to cache
+        admitted = not blocks
         num_new = _cdiv(total, self.block_size) - len(blocks) - len(computed_blocks)
         reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         if max(num_new, 0) + reclaimed > self.pool.num_free_blocks:

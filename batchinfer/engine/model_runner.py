@@ -161,11 +161,12 @@ class ModelRunner:
             state.row = self.free_rows.pop()
             state.num_blocks = len(new.block_ids)
             self.block_table[state.row, :state.num_blocks] = new.block_ids
-        for cached in plan.cached_requests:
-            if cached.new_block_ids:
-                state = self.requests[cached.req_id]
-                end = state.num_blocks + len(cached.new_block_ids)
-                self.block_table[state.row, state.num_blocks:end] = cached.new_block_ids
+        cached = plan.cached_requests
+        for req_id, block_ids in zip(cached.req_ids, cached.new_block_ids):
+            if block_ids:
+                state = self.requests[req_id]
+                end = state.num_blocks + len(block_ids)
+                self.block_table[state.row, state.num_blocks:end] = block_ids
                 state.num_blocks = end
 
     @staticmethod
@@ -198,24 +199,28 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         self._update_states(plan)
-        starts_by_id = {c.req_id: c.num_computed_tokens for c in plan.cached_requests}
+        starts_by_id = dict(zip(plan.cached_requests.req_ids,
+                                plan.cached_requests.num_computed_tokens))
         starts_by_id.update((n.req_id, n.num_computed_tokens) for n in plan.new_requests)
         sched = plan.num_scheduled_tokens
         # decodes first, shortest context first (the attention backends group by length)
-        decodes = sorted((r for r, n in sched.items() if n == 1), key=starts_by_id.__getitem__)
-        order = decodes + [r for r, n in sched.items() if n != 1]
+        decodes, others = [], []
+        for req_id, n in sched.items():
+            (decodes if n == 1 else others).append(req_id)
+        decodes.sort(key=starts_by_id.__getitem__)
+        order = decodes + others
         states = [self.requests[r] for r in order]
-        starts = np.fromiter((starts_by_id[r] for r in order), dtype=np.int64, count=len(order))
-        num_new = np.fromiter((sched[r] for r in order), dtype=np.int64, count=len(order))
-
+        start_list = [starts_by_id[r] for r in order]
         input_ids: list[int] = []
-        for state, start, n in zip(states, starts.tolist(), num_new.tolist()):
-            if n == 1:
-                input_ids.append(state.token_ids[start])
-            else:
-                input_ids.extend(state.token_ids[start:start + n])
+        for state, start in zip(states[:len(decodes)], start_list):
+            input_ids.append(state.token_ids[start])
+        for state, start, req_id in zip(states[len(decodes):], start_list[len(decodes):], others):
+            input_ids.extend(state.token_ids[start:start + sched[req_id]])
+        starts = np.array(start_list, dtype=np.int64)
+        num_new = np.ones(len(order), dtype=np.int64)
+        num_new[len(decodes):] = [sched[r] for r in others]
         qsl, positions = self._positions(starts, num_new)
-        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
+        rows = np.array([s.row for s in states], dtype=np.int64)
         max_blocks = -(-int((starts + num_new).max()) // self.block_size)
         block_tables = self.block_table[rows, :max_blocks]
         meta = self._metadata(starts, num_new, qsl, positions, block_tables, len(decodes))
@@ -224,18 +229,24 @@ class ModelRunner:
         pos_t = torch.from_numpy(positions).to(self.device)
         hidden = self.model(ids_t, pos_t, meta, self.kv_caches)
 
-        sample_mask = (starts + num_new) == np.fromiter((len(s.token_ids) for s in states),
-                                                        dtype=np.int64, count=len(states))
+        sample_mask = (starts + num_new) == np.array([len(s.token_ids) for s in states],
+                                                     dtype=np.int64)
         sample_idx = np.nonzero(sample_mask)[0]
         if len(sample_idx) == 0:
             return RunnerOutput([], [])
-        sample_states = [states[i] for i in sample_idx]
-        logits = self.model.compute_logits(hidden[torch.from_numpy(qsl[sample_idx + 1] - 1).to(self.device)])
+        if len(sample_idx) == len(states):
+            sample_states, sample_ids = states, order
+        else:
+            sample_states = [states[i] for i in sample_idx.tolist()]
+            sample_ids = [order[i] for i in sample_idx.tolist()]
+        if len(sample_idx) < hidden.shape[0]:
+            hidden = hidden[torch.from_numpy(qsl[sample_idx + 1] - 1).to(self.device)]
+        logits = self.model.compute_logits(hidden)
         sampled = self.sampler(logits, self._sampling_batch(sample_states))
         tokens = sampled.token_ids.tolist()
         for state, token in zip(sample_states, tokens):
             state.token_ids.append(token)
-        out = RunnerOutput([order[i] for i in sample_idx], tokens)
+        out = RunnerOutput(sample_ids, tokens)
         if sampled.logprob_values is not None:
             ids, values, ranks = (sampled.logprob_ids.tolist(), sampled.logprob_values.tolist(),
                                   sampled.sampled_ranks.tolist())

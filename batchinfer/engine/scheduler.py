@@ -30,16 +30,21 @@ class NewRequestData:
 
 @dataclass
 class CachedRequestData:
-    req_id: str
-    new_block_ids: list[int]
-    num_computed_tokens: int
+    """The requests the runner already holds, as parallel lists (one entry per request):
+    a decode step adds three list entries per request rather than an object."""
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
 
 
 @dataclass
 class SchedulerOutput:
     """The step plan: plain data, so it can be sent to other tensor-parallel ranks."""
     new_requests: list[NewRequestData] = field(default_factory=list)
-    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    cached_requests: CachedRequestData = field(default_factory=CachedRequestData)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0
     finished_req_ids: set[str] = field(default_factory=set)   # since the last plan
@@ -66,20 +71,25 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         now = time.monotonic()
+        allocate = self.kv.allocate_slots
+        cached, scheduled = out.cached_requests, out.num_scheduled_tokens
+        cached_ids, cached_blocks = cached.req_ids, cached.new_block_ids
+        cached_computed = cached.num_computed_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while (new_blocks := self.kv.allocate_slots(req, n)) is None:
+            n = min(len(req.token_ids) - req.num_computed_tokens, budget)
+            while (new_blocks := allocate(req, n)) is None:
                 victim = self.running.pop()
                 self._preempt(victim, out)
                 if victim is req:
                     break
             if new_blocks is None:
                 break
-            out.cached_requests.append(CachedRequestData(
-                req.request_id, [b.block_id for b in new_blocks], req.num_computed_tokens))
-            out.num_scheduled_tokens[req.request_id] = n
+            cached_ids.append(req.request_id)
+            cached_blocks.append([b.block_id for b in new_blocks] if new_blocks else [])
+            cached_computed.append(req.num_computed_tokens)
+            scheduled[req.request_id] = n
             budget -= n
             i += 1
 

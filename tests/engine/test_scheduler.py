@@ -102,7 +102,7 @@ def test_chunked_prefill_splits_a_long_prompt_across_steps():
     plans = [sim.step() for _ in range(6)]
     assert [p.num_scheduled_tokens["long"] for p in plans] == [16, 16, 16, 2, 1, 1]
     assert [len(p.new_requests) for p in plans] == [1, 0, 0, 0, 0, 0]
-    assert [c.num_computed_tokens for p in plans[1:] for c in p.cached_requests] == [
+    assert [n for p in plans[1:] for n in p.cached_requests.num_computed_tokens] == [
         16, 32, 48, 50, 51]
     # a token is sampled only once the whole prompt is computed
     assert req.num_output_tokens == 3
@@ -123,7 +123,7 @@ def test_running_requests_are_scheduled_before_waiting_ones():
     assert plan.num_scheduled_tokens == {"old": 8, "new": 8}
     plan = sim.step()
     assert plan.num_scheduled_tokens == {"old": 1, "new": 1}
-    assert [c.req_id for c in plan.cached_requests] == ["old", "new"]
+    assert plan.cached_requests.req_ids == ["old", "new"]
 
 
 def test_plan_carries_new_block_ids():
@@ -138,8 +138,8 @@ def test_plan_carries_new_block_ids():
     deltas = []
     for _ in range(4):
         plan = sim.step()
-        (cached,) = plan.cached_requests
-        deltas.append(cached.new_block_ids)
+        assert plan.cached_requests.req_ids == ["a"]
+        deltas.append(plan.cached_requests.new_block_ids[0])
     # computed tokens 7, 8, 9, 10: the 9th token opens block 2
     assert deltas == [[], [], [2], []]
     assert sim.kv.block_ids("a") == [0, 1, 2]
