@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -28,8 +29,14 @@ class AttentionMetadata:
     # CPU-side copies, for backends that plan work in Python once per step.
     query_start_loc_cpu: list[int] = field(default_factory=list)
     seq_lens_cpu: list[int] = field(default_factory=list)
+    block_tables_cpu: np.ndarray | None = None   # the block tables as a host array
     # Per-step scratch a backend may fill in build() and reuse in every layer.
     cache: dict = field(default_factory=dict)
+
+    def host_block_tables(self) -> np.ndarray:
+        if self.block_tables_cpu is None:
+            self.block_tables_cpu = self.block_tables.cpu().numpy()
+        return self.block_tables_cpu
 
     @property
     def num_seqs(self) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -30,10 +31,10 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
-def _slots(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+def _slots(block_tables: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
     """Cache slot of each position; block_tables [B, max_blocks], positions [B, S] -> [B, S]."""
-    blocks = torch.gather(block_tables.long(), 1, torch.div(positions, block_size, rounding_mode="floor"))
-    return blocks * block_size + positions % block_size
+    blocks = np.take_along_axis(block_tables, positions // block_size, axis=1)
+    return blocks.astype(np.int64) * block_size + positions % block_size
 
 
 def _attention_with_lse(q, k, v, mask, scale):
@@ -63,7 +64,7 @@ def _length_groups(n: int, max_groups: int, min_size: int = 16) -> list[tuple[in
 class _StepPlan:
     """Gather indices and masks for one step (and one window / dtype)."""
     shared_slots: torch.Tensor | None     # [P] slots every cascade member sees in full
-    not_member: torch.Tensor | None       # [num_seqs] bool: sequence skips the shared part
+    token_not_member: torch.Tensor | None  # [num_tokens] bool: token's sequence skips it
     decode_groups: list[tuple[int, int, torch.Tensor, int, torch.Tensor]]  # a, b, slots, S, mask
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]           # start, end, slots, mask per query row
 
@@ -90,86 +91,91 @@ class TorchAttention:
             self._buffers[name] = buf
         return buf[:numel].view(rows, *row_shape)
 
-    def _cascade(self, meta: AttentionMetadata, window: int | None) -> tuple[int, torch.Tensor | None]:
+    def _cascade(self, meta: AttentionMetadata, window: int | None) -> tuple[int, np.ndarray | None]:
         """How many leading blocks to attend once for the batch, and which sequences skip
         them. A sequence shares a block when it holds the same block id at that index as
         the reference sequence (one holding the most common first block) and the block
         lies wholly before the sequence's first query token. The count is chosen to
         maximise the tokens saved (shared length x sequences sharing it)."""
         bs, n = meta.block_size, meta.num_seqs
-        lens, qsl = meta.seq_lens_cpu, meta.query_start_loc_cpu
-        if n < 2 or (window is not None and max(lens) > window):
+        lens = np.asarray(meta.seq_lens_cpu)
+        if n < 2 or (window is not None and lens.max() > window):
             return 0, None
-        first_query = torch.tensor([lens[i] - (qsl[i + 1] - qsl[i]) for i in range(n)])
+        first_query = lens - np.diff(np.asarray(meta.query_start_loc_cpu))
         limit = int(first_query.max()) // bs
         if limit * bs < self.min_cascade_tokens:
             return 0, None
-        tables = meta.block_tables[:, :limit].cpu()
-        ref = int(torch.nonzero(tables[:, 0] == tables[:, 0].mode().values)[0, 0])
-        same = (tables == tables[ref:ref + 1]).int().cumprod(dim=1).sum(dim=1)
-        matched = torch.minimum(same, first_query // bs)
+        tables = meta.host_block_tables()[:, :limit]
+        ids, counts = np.unique(tables[:, 0], return_counts=True)
+        ref = int(np.flatnonzero(tables[:, 0] == ids[counts.argmax()])[0])
+        same = np.cumprod(tables == tables[ref], axis=1).sum(axis=1)
+        matched = np.minimum(same, first_query // bs)
         best, best_saving = 0, 0
-        for k in matched.unique().tolist():
-            saving = k * int((matched >= k).sum())
-            if k * bs >= self.min_cascade_tokens and (matched >= k).sum() >= 2 and saving > best_saving:
-                best, best_saving = k, saving
+        for k in np.unique(matched).tolist():
+            sharing = int((matched >= k).sum())
+            if k * bs >= self.min_cascade_tokens and sharing >= 2 and k * sharing > best_saving:
+                best, best_saving = k, k * sharing
         if not best:
             return 0, None
-        return best, (matched < best).to(meta.seq_lens.device)
+        return best, matched < best
 
     def _plan(self, meta: AttentionMetadata, window: int | None, dtype: torch.dtype,
               group: int) -> _StepPlan:
+        """Built on the host with numpy (small arrays: torch's per-op cost would dominate),
+        then moved to the device once."""
         # group (query heads per KV head) is fixed for a model, so it is not part of the key
         key = ("plan", window, dtype)
         if key in meta.cache:
             return meta.cache[key]
-        bs, nd = meta.block_size, meta.num_decode_seqs
+        bs, nd, n = meta.block_size, meta.num_decode_seqs, meta.num_seqs
         device = meta.seq_lens.device
+        tables = meta.host_block_tables()
+        lens = np.asarray(meta.seq_lens_cpu, dtype=np.int64)
+        qsl = meta.query_start_loc_cpu
         shared, not_member = self._cascade(meta, window)
         prefix = shared * bs
         # each sequence's own keys start after the shared part (members) or at 0
-        if shared:
-            own_start = torch.where(not_member, 0, prefix)
-        else:
-            own_start = torch.zeros(meta.num_seqs, dtype=torch.long, device=device)
-        own_start_cpu = own_start.tolist()
+        own_start = np.where(not_member, 0, prefix) if shared else np.zeros(n, dtype=np.int64)
 
-        def additive(valid: torch.Tensor) -> torch.Tensor:
-            mask = torch.zeros(valid.shape, dtype=dtype, device=device)
-            return mask.masked_fill_(~valid, float("-inf"))
+        def to_device(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(array).to(device)
+
+        def additive(valid: np.ndarray) -> torch.Tensor:
+            return to_device(np.where(valid, np.float32(0), np.float32(-np.inf))).to(dtype)
 
         decode_groups = []
         for a, b in _length_groups(nd, self.max_decode_groups):
-            seq_lens = meta.seq_lens[a:b].long()
-            start = own_start[a:b]
-            width = max(l - s for l, s in zip(meta.seq_lens_cpu[a:b], own_start_cpu[a:b]))
-            pos = start[:, None] + torch.arange(width, device=device)[None, :]
-            valid = pos < seq_lens[:, None]
+            seq_lens, start = lens[a:b, None], own_start[a:b, None]
+            width = int((seq_lens - start).max())
+            pos = start + np.arange(width)[None, :]
+            valid = pos < seq_lens
             if window is not None:
-                valid &= pos > (seq_lens[:, None] - 1 - window)
-            pos = torch.minimum(pos, (seq_lens - 1)[:, None])
-            slots = _slots(meta.block_tables[a:b], pos, bs)
-            decode_groups.append((a, b, slots.flatten(), width, additive(valid)[:, None, None, :]))
+                valid &= pos > seq_lens - 1 - window
+            slots = _slots(tables[a:b], np.minimum(pos, seq_lens - 1), bs)
+            decode_groups.append((a, b, to_device(slots.reshape(-1)), width,
+                                  additive(valid)[:, None, None, :]))
 
         prefills = []
-        qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-        for i in range(nd, meta.num_seqs):
-            start, end, seq_len = qsl[i], qsl[i + 1], lens[i]
-            kpos = torch.arange(own_start_cpu[i], seq_len, device=device)
-            qpos = torch.arange(seq_len - (end - start), seq_len, device=device)
+        for i in range(nd, n):
+            start, end, seq_len = qsl[i], qsl[i + 1], int(lens[i])
+            kpos = np.arange(own_start[i], seq_len)
+            qpos = np.arange(seq_len - (end - start), seq_len)
             valid = kpos[None, :] <= qpos[:, None]
             if window is not None:
                 valid &= kpos[None, :] > qpos[:, None] - window
-            slots = _slots(meta.block_tables[i:i + 1], kpos[None, :], bs)[0]
+            slots = _slots(tables[i:i + 1], kpos[None, :], bs)[0]
             # query rows are (token, head-in-group) pairs: each token's mask row, repeated
-            prefills.append((start, end, slots, additive(valid).repeat_interleave(group, dim=0)))
+            prefills.append((start, end, to_device(slots), additive(np.repeat(valid, group, axis=0))))
 
-        shared_slots = None
+        shared_slots = member_mask = None
         if shared:
-            ref = int(torch.nonzero(~not_member)[0, 0])
-            shared_slots = _slots(meta.block_tables[ref:ref + 1],
-                                  torch.arange(prefix, device=device)[None], bs)[0]
-        plan = _StepPlan(shared_slots, not_member, decode_groups, prefills)
+            ref = int(np.flatnonzero(~not_member)[0])
+            shared_slots = to_device(_slots(tables[ref:ref + 1], np.arange(prefix)[None], bs)[0])
+            if not_member.any():
+                # per token: does its sequence skip the shared part?
+                token_not_member = np.repeat(not_member, np.diff(np.asarray(qsl)))
+                member_mask = to_device(token_not_member)
+        plan = _StepPlan(shared_slots, member_mask, decode_groups, prefills)
         meta.cache[key] = plan
         return plan
 
@@ -229,14 +235,13 @@ class TorchAttention:
         shared, shared_lse = _attention_with_lse(qs, ks, vs, None, scale)
         shared = shared.view(num_kv_heads, num_tokens, group, head_dim).transpose(0, 1)
         shared_lse = shared_lse.view(num_kv_heads, num_tokens, group).transpose(0, 1)
-        if plan.not_member.any():
-            token_seq = torch.repeat_interleave(
-                torch.arange(meta.num_seqs, device=query.device),
-                meta.query_start_loc[1:] - meta.query_start_loc[:-1])
-            shared_lse = shared_lse.masked_fill(plan.not_member[token_seq][:, None, None],
-                                                float("-inf"))
-        top = torch.maximum(lse, shared_lse)
-        w_own = torch.exp(lse - top)[..., None]
-        w_shared = torch.exp(shared_lse - top)[..., None]
-        merged = (out.float() * w_own + shared.float() * w_shared) / (w_own + w_shared)
-        return merged.to(query.dtype).view(num_tokens, num_heads, head_dim)
+        if plan.token_not_member is not None:
+            shared_lse = shared_lse.masked_fill(plan.token_not_member[:, None, None], float("-inf"))
+        # weights e^lse / (e^lse + e^shared_lse) = sigmoid(lse - shared_lse); every query
+        # sees at least itself in its own part, so lse is finite
+        own_weight = torch.sigmoid(lse - shared_lse)[..., None]
+        if query.dtype == torch.float32:
+            merged = torch.lerp(shared, out, own_weight)
+        else:
+            merged = torch.lerp(shared.float(), out.float(), own_weight).to(query.dtype)
+        return merged.reshape(num_tokens, num_heads, head_dim)

@@ -193,7 +193,8 @@ class ModelRunner:
             block_tables=torch.from_numpy(block_tables.astype(np.int32)).to(dev),
             max_query_len=int(num_new.max()), max_seq_len=int(seq_lens.max()),
             num_decode_seqs=num_decodes, block_size=bs,
-            query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist())
+            query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist(),
+            block_tables_cpu=block_tables)
 
     # ---- the step --------------------------------------------------------------------
     @torch.inference_mode()

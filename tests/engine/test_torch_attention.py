@@ -86,7 +86,8 @@ def test_matches_reference(window, dtype, tol):
     assert (plan.shared_slots is not None) == (window is None)
     if window is None:
         assert plan.shared_slots.numel() == 8 * BLOCK
-        assert plan.not_member.tolist() == [s[0] < 8 or s[1] - s[2] < 8 * BLOCK for s in seqs]
+        skips = [s[0] < 8 or s[1] - s[2] < 8 * BLOCK for s in seqs]
+        assert plan.token_not_member.tolist() == [f for s, f in zip(seqs, skips) for _ in range(s[2])]
 
 
 def test_cascade_picks_the_prefix_most_sequences_share():
