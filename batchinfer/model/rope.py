@@ -64,7 +64,17 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, heads, D] by the looked-up cos/sin."""
+    """Rotate x [T, heads, D] (may be a strided view) by the looked-up cos/sin; returns a
+    new contiguous tensor. Same arithmetic as transformers' x * cos + rotate_half(x) * sin,
+    so the same bits."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    x1, x2 = x[..., :half], x[..., half:]
+    if x.dtype != torch.float32:
+        # reduced precision: strided half-width ops are slow on CPU, the full-width form is not
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    # float32: half-width products written straight into the output's halves
+    c, s = cos[..., :half], sin[..., :half]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    torch.mul(x1, c, out=out[..., :half]).sub_(x2 * s)
+    torch.mul(x2, c, out=out[..., half:]).add_(x1 * s)
+    return out
