@@ -5,7 +5,6 @@ running request, updated from the plan's deltas, so a step touches only what cha
 """
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,24 +12,13 @@ import torch
 
 from batchinfer.attention import AttentionMetadata, get_attention_backend
 from batchinfer.config import EngineConfig
+from batchinfer.engine.host_memory import keep_freed_memory
 from batchinfer.engine.sampler import Sampler, SamplingBatch
 from batchinfer.engine.scheduler import SchedulerOutput
 from batchinfer.model.loader import load_model
 from batchinfer.sampling_params import SamplingParams
 
 CPU_DEFAULT_KV_BYTES = 4 << 30
-
-
-def _keep_freed_memory() -> None:
-    """glibc returns large freed buffers to the OS and page-faults them back in on the
-    next step; on CPU that costs as much as the copies themselves. Keep them in the heap."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    libc.mallopt(m_mmap_threshold, 1 << 30)
-    libc.mallopt(m_trim_threshold, (1 << 31) - 1)
 
 
 @dataclass
@@ -65,7 +53,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.eos_token_ids = eos_token_ids
         if device.type == "cpu":
-            _keep_freed_memory()
+            keep_freed_memory()
         self.backend = get_attention_backend(config.attention_backend, device)
         self.model = load_model(model_path, hf_config, self.backend, dtype, device,
                                 config.load_format, config.allow_pickle_weights, config.seed)
