@@ -38,11 +38,20 @@ def _slots(block_tables: np.ndarray, positions: np.ndarray, block_size: int) -> 
 
 
 def _attention_with_lse(q, k, v, mask, scale):
-    """(out, logsumexp) of attention; q/k/v [B, H, L, D], mask additive or None."""
+    """(out, logsumexp) of attention; q [B, H, L, D], k/v [B, Hkv, S, D] with H a multiple
+    of Hkv (query head h reads KV head h // (H / Hkv)), mask additive or None."""
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, False, attn_mask=mask, scale=scale)[:2]
         return out, lse
+    return _math_attention_with_lse(q, k, v, mask, scale)
+
+
+def _math_attention_with_lse(q, k, v, mask, scale):
+    """_attention_with_lse in plain tensor ops, for devices without the CPU flash kernel."""
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     if mask is not None:
         scores = scores + mask
@@ -164,8 +173,7 @@ class TorchAttention:
             if window is not None:
                 valid &= kpos[None, :] > qpos[:, None] - window
             slots = _slots(tables[i:i + 1], kpos[None, :], bs)[0]
-            # query rows are (token, head-in-group) pairs: each token's mask row, repeated
-            prefills.append((start, end, to_device(slots), additive(np.repeat(valid, group, axis=0))))
+            prefills.append((start, end, to_device(slots), additive(valid)))
 
         shared_slots = member_mask = None
         if shared:
@@ -217,14 +225,17 @@ class TorchAttention:
             out[a:b] = o
             if cascade:
                 lse[a:b] = l
+        # prefill chunks: one call each, all query heads against the KV heads (no copy of
+        # the queries: [1, heads, tokens, D] is a view of the token-major rows)
+        out_heads = out.view(num_tokens, num_heads, head_dim)
         for start, end, slots, mask in plan.prefills:
             k, v = gather(slots, (slots.shape[0],))
-            qi = q[start:end].permute(1, 0, 2, 3).reshape(1, num_kv_heads, -1, head_dim)
-            o, l = attend(qi, k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask)
-            o = o.view(num_kv_heads, end - start, group, head_dim).transpose(0, 1)
-            out[start:end] = o
+            qi = query[start:end].transpose(0, 1)[None]
+            o, l = _attention_with_lse(qi, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                       mask, scale)
+            out_heads[start:end] = o[0].transpose(0, 1)
             if cascade:
-                lse[start:end] = l.view(num_kv_heads, end - start, group).transpose(0, 1)
+                lse[start:end] = l[0].transpose(0, 1).view(end - start, num_kv_heads, group)
         if not cascade:
             return out.view(num_tokens, num_heads, head_dim)
 

@@ -109,3 +109,18 @@ def test_no_cascade_below_the_threshold():
     assert meta.cache[("plan", None, torch.float32)].shared_slots is None
     torch.testing.assert_close(out, reference(query, k_cache, v_cache, meta, None),
                                atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2)])
+def test_math_attention_matches_the_cpu_flash_kernel(heads, kv_heads):
+    # the plain-ops path (used off CPU) against the CPU flash kernel, with grouped KV heads
+    from batchinfer.attention.torch_backend import _attention_with_lse, _math_attention_with_lse
+    gen = torch.Generator().manual_seed(heads)
+    q = torch.randn(2, heads, 5, 16, generator=gen)
+    k, v = torch.randn(2, 2, kv_heads, 7, 16, generator=gen).unbind(0)
+    mask = torch.zeros(5, 7).masked_fill_(torch.rand(5, 7, generator=gen) < 0.3, float("-inf"))
+    mask[:, 0] = 0  # every row sees a key
+    out, lse = _attention_with_lse(q, k, v, mask, 0.25)
+    out_math, lse_math = _math_attention_with_lse(q, k, v, mask, 0.25)
+    torch.testing.assert_close(out_math, out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse_math, lse, atol=1e-5, rtol=1e-5)
