@@ -75,7 +75,7 @@ class _StepPlan:
     shared_slots: torch.Tensor | None     # [P] slots every cascade member sees in full
     token_not_member: torch.Tensor | None  # [num_tokens] bool: token's sequence skips it
     decode_groups: list[tuple[int, int, torch.Tensor, int, torch.Tensor]]  # a, b, slots, S, mask
-    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]           # start, end, slots, mask per query row
+    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]           # start, end, slots, [tokens, keys] mask
 
 
 class TorchAttention:
@@ -128,11 +128,9 @@ class TorchAttention:
             return 0, None
         return best, matched < best
 
-    def _plan(self, meta: AttentionMetadata, window: int | None, dtype: torch.dtype,
-              group: int) -> _StepPlan:
+    def _plan(self, meta: AttentionMetadata, window: int | None, dtype: torch.dtype) -> _StepPlan:
         """Built on the host with numpy (small arrays: torch's per-op cost would dominate),
         then moved to the device once."""
-        # group (query heads per KV head) is fixed for a model, so it is not part of the key
         key = ("plan", window, dtype)
         if key in meta.cache:
             return meta.cache[key]
@@ -175,15 +173,13 @@ class TorchAttention:
             slots = _slots(tables[i:i + 1], kpos[None, :], bs)[0]
             prefills.append((start, end, to_device(slots), additive(valid)))
 
-        shared_slots = member_mask = None
+        shared_slots = token_not_member = None
         if shared:
             ref = int(np.flatnonzero(~not_member)[0])
             shared_slots = to_device(_slots(tables[ref:ref + 1], np.arange(prefix)[None], bs)[0])
             if not_member.any():
-                # per token: does its sequence skip the shared part?
-                token_not_member = np.repeat(not_member, np.diff(np.asarray(qsl)))
-                member_mask = to_device(token_not_member)
-        plan = _StepPlan(shared_slots, member_mask, decode_groups, prefills)
+                token_not_member = to_device(np.repeat(not_member, np.diff(np.asarray(qsl))))
+        plan = _StepPlan(shared_slots, token_not_member, decode_groups, prefills)
         meta.cache[key] = plan
         return plan
 
@@ -197,7 +193,7 @@ class TorchAttention:
         group = num_heads // num_kv_heads
         k_flat = k_cache.view(-1, num_kv_heads, head_dim)
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-        plan = self._plan(meta, sliding_window, query.dtype, group)
+        plan = self._plan(meta, sliding_window, query.dtype)
         cascade = plan.shared_slots is not None
 
         def attend(q, k, v, mask):

@@ -36,9 +36,6 @@ class CachedRequestData:
     new_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
 
-    def __len__(self) -> int:
-        return len(self.req_ids)
-
 
 @dataclass
 class SchedulerOutput:
