@@ -37,10 +37,14 @@ def _slots(block_tables: np.ndarray, positions: np.ndarray, block_size: int) -> 
     return blocks.astype(np.int64) * block_size + positions % block_size
 
 
+# torch's CPU flash kernel takes fewer KV heads than query heads from 2.5 on
+_CPU_FLASH_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
+
 def _attention_with_lse(q, k, v, mask, scale):
     """(out, logsumexp) of attention; q [B, H, L, D], k/v [B, Hkv, S, D] with H a multiple
     of Hkv (query head h reads KV head h // (H / Hkv)), mask additive or None."""
-    if q.device.type == "cpu":
+    if q.device.type == "cpu" and (k.shape[1] == q.shape[1] or _CPU_FLASH_GQA):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, False, attn_mask=mask, scale=scale)[:2]
         return out, lse
