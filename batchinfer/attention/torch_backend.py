@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from .metadata import AttentionMetadata
 
@@ -200,11 +199,6 @@ class TorchAttention:
         plan = self._plan(meta, sliding_window, query.dtype)
         cascade = plan.shared_slots is not None
 
-        def attend(q, k, v, mask):
-            if cascade:
-                return _attention_with_lse(q, k, v, mask, scale)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale), None
-
         def gather(slots: torch.Tensor, shape: tuple[int, ...]):
             k = self._scratch("k", slots.numel(), k_flat)
             v = self._scratch("v", slots.numel(), v_flat)
@@ -221,7 +215,7 @@ class TorchAttention:
                           device=query.device) if cascade else None
         for a, b, slots, width, mask in plan.decode_groups:
             k, v = gather(slots, (b - a, width))
-            o, l = attend(q[a:b], k.transpose(1, 2), v.transpose(1, 2), mask)
+            o, l = _attention_with_lse(q[a:b], k.transpose(1, 2), v.transpose(1, 2), mask, scale)
             out[a:b] = o
             if cascade:
                 lse[a:b] = l
