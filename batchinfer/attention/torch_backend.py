@@ -2,9 +2,10 @@
 
 Once per step (not per layer) it turns block tables into gather indices and masks; per
 layer it writes the new K/V into the cache, gathers each sequence's context and runs SDPA.
-Decodes are batched, in a few groups of similar length (the runner sorts them) with the
-query heads of each KV head folded into the query axis, so GQA needs no K/V expansion;
-prefill chunks run one call each.
+Decodes on CPU go to a C kernel that reads the blocks in place (kernels/cpu_decode.py)
+where it can be built. Otherwise they are batched in a few groups of similar length (the
+runner sorts them) with the query heads of each KV head folded into the query axis, so GQA
+needs no K/V expansion. Prefill chunks run one call each.
 
 Cascade: when sequences share leading blocks (a common system prompt) that lie wholly
 before all of their queries, those blocks are attended once for the whole batch — one
@@ -78,6 +79,7 @@ class _StepPlan:
     shared_slots: torch.Tensor | None     # [P] slots every cascade member sees in full
     token_not_member: torch.Tensor | None  # [num_tokens] bool: token's sequence skips it
     decode_groups: list[tuple[int, int, torch.Tensor, int, torch.Tensor]]  # a, b, slots, S, mask
+    decode_bounds: tuple[torch.Tensor, torch.Tensor] | None  # kernel path: int32 lo, hi per decode
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]           # start, end, slots, [tokens, keys] mask
 
 
@@ -88,8 +90,20 @@ class TorchAttention:
     # Decodes are padded to the longest context of their group.
     max_decode_groups = 4
 
-    def __init__(self) -> None:
+    def __init__(self, use_cpu_kernel: bool = True) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self._use_cpu_kernel = use_cpu_kernel
+
+    def _decode_kernel(self, query: torch.Tensor, num_kv_heads: int):
+        """The C decode kernel when it applies to this device, dtype and head shape."""
+        if not self._use_cpu_kernel or query.device.type != "cpu":
+            return None
+        from batchinfer.kernels import cpu_decode
+        kernel = cpu_decode.load()
+        if kernel is None or not kernel.supports(query.dtype, query.shape[1], num_kv_heads,
+                                                 query.shape[2]):
+            return None
+        return kernel
 
     def _scratch(self, name: str, rows: int, like: torch.Tensor) -> torch.Tensor:
         """A reused [rows, Hkv, D] buffer for gathered K or V: gathering into memory that
@@ -131,10 +145,12 @@ class TorchAttention:
             return 0, None
         return best, matched < best
 
-    def _plan(self, meta: AttentionMetadata, window: int | None, dtype: torch.dtype) -> _StepPlan:
+    def _plan(self, meta: AttentionMetadata, window: int | None, dtype: torch.dtype,
+              decode_kernel: bool) -> _StepPlan:
         """Built on the host with numpy (small arrays: torch's per-op cost would dominate),
-        then moved to the device once."""
-        key = ("plan", window, dtype)
+        then moved to the device once. With decode_kernel, decodes get key ranges for the C
+        kernel instead of gather indices and masks."""
+        key = ("plan", window, dtype, decode_kernel)
         if key in meta.cache:
             return meta.cache[key]
         bs, nd, n = meta.block_size, meta.num_decode_seqs, meta.num_seqs
@@ -153,8 +169,13 @@ class TorchAttention:
         def additive(valid: np.ndarray) -> torch.Tensor:
             return to_device(np.where(valid, np.float32(0), np.float32(-np.inf))).to(dtype)
 
-        decode_groups = []
-        for a, b in _length_groups(nd, self.max_decode_groups):
+        decode_groups, decode_bounds = [], None
+        if decode_kernel and nd:
+            lo, hi = own_start[:nd], lens[:nd]
+            if window is not None:
+                lo = np.maximum(lo, hi - window)
+            decode_bounds = (to_device(lo.astype(np.int32)), to_device(hi.astype(np.int32)))
+        for a, b in _length_groups(0 if decode_kernel else nd, self.max_decode_groups):
             seq_lens, start = lens[a:b, None], own_start[a:b, None]
             width = int((seq_lens - start).max())
             pos = start + np.arange(width)[None, :]
@@ -182,7 +203,7 @@ class TorchAttention:
             shared_slots = to_device(_slots(tables[ref:ref + 1], np.arange(prefix)[None], bs)[0])
             if not_member.any():
                 token_not_member = to_device(np.repeat(not_member, np.diff(np.asarray(qsl))))
-        plan = _StepPlan(shared_slots, token_not_member, decode_groups, prefills)
+        plan = _StepPlan(shared_slots, token_not_member, decode_groups, decode_bounds, prefills)
         meta.cache[key] = plan
         return plan
 
@@ -196,7 +217,8 @@ class TorchAttention:
         group = num_heads // num_kv_heads
         k_flat = k_cache.view(-1, num_kv_heads, head_dim)
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-        plan = self._plan(meta, sliding_window, query.dtype)
+        kernel = self._decode_kernel(query, num_kv_heads)
+        plan = self._plan(meta, sliding_window, query.dtype, kernel is not None)
         cascade = plan.shared_slots is not None
 
         def gather(slots: torch.Tensor, shape: tuple[int, ...]):
@@ -210,9 +232,16 @@ class TorchAttention:
 
         # own part, in [tokens, Hkv, group, D] layout
         q = query.view(num_tokens, num_kv_heads, group, head_dim)
-        out = torch.empty_like(q)
+        out_heads = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype,
+                                device=query.device)
+        out = out_heads.view(num_tokens, num_kv_heads, group, head_dim)
         lse = torch.empty(num_tokens, num_kv_heads, group, dtype=torch.float32,
                           device=query.device) if cascade else None
+        if plan.decode_bounds is not None:
+            lo, hi = plan.decode_bounds
+            nd = lo.numel()
+            kernel(query[:nd], k_cache, v_cache, meta.block_tables, lo, hi, scale,
+                   out_heads[:nd], lse.view(num_tokens, num_heads)[:nd] if cascade else None)
         for a, b, slots, width, mask in plan.decode_groups:
             k, v = gather(slots, (b - a, width))
             o, l = _attention_with_lse(q[a:b], k.transpose(1, 2), v.transpose(1, 2), mask, scale)
@@ -221,7 +250,6 @@ class TorchAttention:
                 lse[a:b] = l
         # prefill chunks: one call each, all query heads against the KV heads (no copy of
         # the queries: [1, heads, tokens, D] is a view of the token-major rows)
-        out_heads = out.view(num_tokens, num_heads, head_dim)
         for start, end, slots, mask in plan.prefills:
             k, v = gather(slots, (slots.shape[0],))
             qi = query[start:end].transpose(0, 1)[None]
@@ -231,7 +259,7 @@ class TorchAttention:
             if cascade:
                 lse[start:end] = l[0].transpose(0, 1).view(end - start, num_kv_heads, group)
         if not cascade:
-            return out.view(num_tokens, num_heads, head_dim)
+            return out_heads
 
         # shared part: every query row of the batch in one product against the shared K/V
         qs = q.permute(1, 0, 2, 3).reshape(1, num_kv_heads, num_tokens * group, head_dim)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from batchinfer.attention import AttentionMetadata, TorchAttention
+from batchinfer.kernels import cpu_decode
 from batchinfer.kernels.reference import ref_decode_attention, ref_prefill_attention
 
 BLOCK = 16
@@ -72,16 +73,27 @@ MIXED = [
 ]
 
 
+def step_plan(meta):
+    """The plan the backend built for this step (one per window and dtype)."""
+    (plan,) = [v for k, v in meta.cache.items() if k[0] == "plan"]
+    return plan
+
+
+@pytest.mark.parametrize("use_cpu_kernel", [True, False])
 @pytest.mark.parametrize("window", [None, 48])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
-def test_matches_reference(window, dtype, tol):
+def test_matches_reference(window, dtype, tol, use_cpu_kernel):
     seqs = sorted(MIXED, key=lambda s: s[2] != 1)
     query, key, value, k_cache, v_cache, meta = paged_batch(seqs, dtype)
-    backend = TorchAttention()
+    backend = TorchAttention(use_cpu_kernel=use_cpu_kernel)
     out = backend.forward(query, key, value, k_cache, v_cache, meta, 0.2, window)
     expected = reference(query, k_cache, v_cache, meta, window)
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
-    plan = meta.cache[("plan", window, dtype)]
+    plan = step_plan(meta)
+    # decodes go to the C kernel where it is built, to gathered groups otherwise
+    kernel_used = use_cpu_kernel and cpu_decode.load() is not None
+    assert (plan.decode_bounds is not None) == kernel_used
+    assert bool(plan.decode_groups) == (not kernel_used)
     # the cascade runs without a window (128 shared tokens), never with one shorter than the context
     assert (plan.shared_slots is not None) == (window is None)
     if window is None:
@@ -96,7 +108,7 @@ def test_cascade_picks_the_prefix_most_sequences_share():
     query, key, value, k_cache, v_cache, meta = paged_batch(seqs)
     backend = TorchAttention()
     out = backend.forward(query, key, value, k_cache, v_cache, meta, 0.2, None)
-    plan = meta.cache[("plan", None, torch.float32)]
+    plan = step_plan(meta)
     assert plan.shared_slots.numel() == 6 * BLOCK
     torch.testing.assert_close(out, reference(query, k_cache, v_cache, meta, None),
                                atol=2e-5, rtol=2e-5)
@@ -106,7 +118,7 @@ def test_no_cascade_below_the_threshold():
     seqs = [(2, 60, 1), (2, 70, 1), (2, 50, 1)]  # 32 shared tokens: not worth a second call
     query, key, value, k_cache, v_cache, meta = paged_batch(seqs)
     out = TorchAttention().forward(query, key, value, k_cache, v_cache, meta, 0.2, None)
-    assert meta.cache[("plan", None, torch.float32)].shared_slots is None
+    assert step_plan(meta).shared_slots is None
     torch.testing.assert_close(out, reference(query, k_cache, v_cache, meta, None),
                                atol=2e-5, rtol=2e-5)
 

@@ -1,0 +1,206 @@
+/* Paged decode attention for CPUs: one query token per sequence, keys and values read in
+ * place from the paged cache, with no gather and no padding. batchinfer/kernels/cpu_decode.py
+ * compiles it on first use with the host C compiler and calls it through ctypes.
+ *
+ * Cache layout: [num_blocks, block_size, num_kv_heads, head_dim]. Sequence t's key at
+ * position p is row p % block_size of block block_tables[t, p / block_size]; the sequence
+ * attends to positions [lo[t], hi[t]). Query head h * group + g reads KV head h (GQA).
+ *
+ * A work item is one sequence and a run of its KV heads, so a key row is read as one
+ * contiguous span. Keys are taken 16 at a time (never across a block): each key's dot
+ * products are summed along head_dim as 16-lane partials, and the 16 partial vectors are
+ * reduced together by a transpose-add tree into one vector of 16 scores. Softmax is online
+ * (running max and sum per query row) with a vectorised exp. Accumulation and the
+ * log-sum-exp are float32 for float32 and bfloat16 caches alike.
+ *
+ * Written with GCC/Clang vector extensions rather than intrinsics, so the compiler maps
+ * them to whatever the host has (AVX-512, AVX2, NEON). The OpenMP loop runs on the OpenMP
+ * runtime torch itself loaded, so its threads are torch's threads.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+#define MAX_GROUP 16   /* query heads per KV head */
+#define MAX_CHUNKS 16  /* head_dim / 16 */
+
+#if defined(__clang__)
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (i32x16){__VA_ARGS__})
+#endif
+
+static inline f32x16 load_f32(const float *p) { f32x16 v; memcpy(&v, p, sizeof v); return v; }
+static inline void store_f32(float *p, f32x16 v) { memcpy(p, &v, sizeof v); }
+
+static inline f32x16 load_bf16(const uint16_t *p) {
+    u16x16 h; memcpy(&h, p, sizeof h);
+    u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+    f32x16 v; memcpy(&v, &w, sizeof v); return v;
+}
+static inline void store_bf16(uint16_t *p, f32x16 v) {  /* round to nearest even */
+    u32x16 u; memcpy(&u, &v, sizeof u);
+    u32x16 nan = (u32x16)((u & 0x7fffffffu) > 0x7f800000u);
+    u32x16 r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    r = (r & ~nan) | (((u >> 16) | 0x40u) & nan);
+    u16x16 h = __builtin_convertvector(r, u16x16); memcpy(p, &h, sizeof h);
+}
+
+static inline float hsum(f32x16 v) {
+    float s = 0.f;
+    for (int i = 0; i < 16; i++) s += v[i];
+    return s;
+}
+static inline float hmax(f32x16 v) {
+    float m = v[0];
+    for (int i = 1; i < 16; i++) m = v[i] > m ? v[i] : m;
+    return m;
+}
+
+/* exp(x) for x <= 0 (Cephes' polynomial); lanes below -87 give ~1e-38, not 0, so callers
+ * zero masked lanes themselves. */
+static inline f32x16 exp_nonpos(f32x16 x) {
+    const f32x16 lo = (f32x16){0} - 87.0f;
+    x = (f32x16)((i32x16)x & (i32x16)(x >= lo)) + (f32x16)((i32x16)lo & ~(i32x16)(x >= lo));
+    const float magic = 12582912.0f;  /* 1.5 * 2^23: adding it rounds to an integer */
+    f32x16 t = x * 1.44269504088896341f + magic;
+    f32x16 n = t - magic;
+    i32x16 ni = (i32x16)t - (i32x16)((f32x16){0} + magic);
+    f32x16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    f32x16 p = (f32x16){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return p * (f32x16)((ni + 127) << 23);
+}
+
+/* out[i] = sum of the 16 lanes of x[i], for 16 vectors, in 15 adds and 30 shuffles */
+static inline f32x16 transpose_sum16(const f32x16 *x) {
+    f32x16 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)
+        a[i] = SHUFFLE(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+             + SHUFFLE(x[2 * i], x[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++)
+        b[i] = SHUFFLE(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+             + SHUFFLE(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++)
+        c[i] = SHUFFLE(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
+             + SHUFFLE(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return SHUFFLE(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+         + SHUFFLE(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+#define MAX_ROWS 32    /* query rows one work item carries (heads_per_item * group) */
+
+#define DEFINE_DECODE(NAME, T, LOAD, STORE)                                                    \
+int NAME(const T *q, int64_t q_token_stride, const T *k_cache, const T *v_cache,               \
+         const int32_t *block_tables, int64_t bt_stride, const int32_t *lo, const int32_t *hi, \
+         int64_t num_seqs, int64_t num_kv_heads, int64_t group, int64_t head_dim,              \
+         int64_t block_size, float scale, T *out, float *lse, int64_t heads_per_item) {        \
+    if (group < 1 || group > MAX_GROUP || head_dim % 16 || head_dim / 16 > MAX_CHUNKS         \
+        || heads_per_item < 1 || heads_per_item * group > MAX_ROWS)                            \
+        return 1;                                                                              \
+    const int64_t nc = head_dim / 16, key_stride = num_kv_heads * head_dim;                    \
+    const int64_t splits = (num_kv_heads + heads_per_item - 1) / heads_per_item;               \
+    const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};               \
+    _Pragma("omp parallel for schedule(dynamic, 1)")                                           \
+    for (int64_t item = 0; item < num_seqs * splits; item++) {                                 \
+        const int64_t t = item / splits, h0 = (item % splits) * heads_per_item;                \
+        const int64_t nh = num_kv_heads - h0 < heads_per_item ? num_kv_heads - h0 : heads_per_item; \
+        const int64_t rows = nh * group;                                                       \
+        f32x16 qv[MAX_ROWS][MAX_CHUNKS], acc[MAX_ROWS][MAX_CHUNKS], part[MAX_ROWS][16], p[MAX_ROWS]; \
+        float m[MAX_ROWS], l[MAX_ROWS];                                                        \
+        const T *qp = q + t * q_token_stride + h0 * group * head_dim;                          \
+        for (int64_t r = 0; r < rows; r++) {                                                   \
+            for (int64_t c = 0; c < nc; c++) {                                                 \
+                qv[r][c] = LOAD(qp + r * head_dim + c * 16) * scale;                           \
+                acc[r][c] = (f32x16){0};                                                       \
+            }                                                                                  \
+            m[r] = -INFINITY;                                                                  \
+            l[r] = 0.f;                                                                        \
+        }                                                                                      \
+        const int32_t *table = block_tables + t * bt_stride;                                   \
+        for (int64_t j0 = lo[t], end = hi[t]; j0 < end;) {                                     \
+            const int64_t row = j0 % block_size;                                               \
+            int64_t n = block_size - row;                                                      \
+            if (n > 16) n = 16;                                                                \
+            if (n > end - j0) n = end - j0;                                                    \
+            const int64_t base = ((int64_t)table[j0 / block_size] * block_size + row)          \
+                                 * key_stride + h0 * head_dim;                                 \
+            const i32x16 valid = lane < (int32_t)n;                                            \
+            if (j0 + n < end) {  /* start loading the next chunk's rows */                   \
+                const int64_t j1 = j0 + n, r1 = j1 % block_size;                               \
+                int64_t n1 = block_size - r1;                                                  \
+                if (n1 > 16) n1 = 16;                                                          \
+                if (n1 > end - j1) n1 = end - j1;                                              \
+                const int64_t b1 = ((int64_t)table[j1 / block_size] * block_size + r1)        \
+                                   * key_stride + h0 * head_dim;                               \
+                const int64_t span = nh * head_dim * (int64_t)sizeof(T);                       \
+                for (int64_t j = 0; j < n1; j++)                                               \
+                    for (int64_t c = 0; c < span; c += 64) {                                   \
+                        __builtin_prefetch((const char *)(k_cache + b1 + j * key_stride) + c); \
+                        __builtin_prefetch((const char *)(v_cache + b1 + j * key_stride) + c); \
+                    }                                                                          \
+            }                                                                                  \
+            for (int64_t j = 0; j < n; j++) {                                                  \
+                const T *kp = k_cache + base + j * key_stride;                                 \
+                for (int64_t hh = 0; hh < nh; hh++) {                                          \
+                    f32x16 kv[MAX_CHUNKS];                                                     \
+                    for (int64_t c = 0; c < nc; c++) kv[c] = LOAD(kp + hh * head_dim + c * 16); \
+                    for (int64_t g = 0; g < group; g++) {                                      \
+                        const int64_t r = hh * group + g;                                      \
+                        f32x16 x = qv[r][0] * kv[0];                                           \
+                        for (int64_t c = 1; c < nc; c++) x += qv[r][c] * kv[c];                \
+                        part[r][j] = x;                                                        \
+                    }                                                                          \
+                }                                                                              \
+            }                                                                                  \
+            for (int64_t r = 0; r < rows; r++) {                                               \
+                for (int64_t j = n; j < 16; j++) part[r][j] = (f32x16){0};                     \
+                f32x16 s = transpose_sum16(part[r]);                                           \
+                s = (f32x16)(((i32x16)s & valid) | ((i32x16)((f32x16){0} - INFINITY) & ~valid)); \
+                const float m_new = fmaxf(m[r], hmax(s));                                      \
+                const float corr = expf(m[r] - m_new);                                         \
+                f32x16 e = exp_nonpos(s - m_new);                                              \
+                e = (f32x16)((i32x16)e & valid);                                               \
+                l[r] = l[r] * corr + hsum(e);                                                  \
+                m[r] = m_new;                                                                  \
+                if (corr != 1.f)                                                               \
+                    for (int64_t c = 0; c < nc; c++) acc[r][c] *= corr;                        \
+                p[r] = e;                                                                      \
+            }                                                                                  \
+            for (int64_t j = 0; j < n; j++) {                                                  \
+                const T *vp = v_cache + base + j * key_stride;                                 \
+                for (int64_t hh = 0; hh < nh; hh++) {                                          \
+                    f32x16 vv[MAX_CHUNKS];                                                     \
+                    for (int64_t c = 0; c < nc; c++) vv[c] = LOAD(vp + hh * head_dim + c * 16); \
+                    for (int64_t g = 0; g < group; g++) {                                      \
+                        const int64_t r = hh * group + g;                                      \
+                        const float w = p[r][j];                                               \
+                        for (int64_t c = 0; c < nc; c++) acc[r][c] += w * vv[c];               \
+                    }                                                                          \
+                }                                                                              \
+            }                                                                                  \
+            j0 += n;                                                                           \
+        }                                                                                      \
+        T *op = out + (t * num_kv_heads + h0) * group * head_dim;                              \
+        for (int64_t r = 0; r < rows; r++) {                                                   \
+            const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;                                   \
+            for (int64_t c = 0; c < nc; c++) STORE(op + r * head_dim + c * 16, acc[r][c] * inv); \
+            if (lse) lse[(t * num_kv_heads + h0) * group + r] =                                \
+                l[r] > 0.f ? m[r] + logf(l[r]) : -INFINITY;                                    \
+        }                                                                                      \
+    }                                                                                          \
+    return 0;                                                                                  \
+}
+
+DEFINE_DECODE(paged_decode_f32, float, load_f32, store_f32)
+DEFINE_DECODE(paged_decode_bf16, uint16_t, load_bf16, store_bf16)

@@ -1,0 +1,148 @@
+"""The C paged-decode kernel (kernels/paged_decode_cpu.c) against a float64 reference.
+
+Caches come from the paged_batch fixture (on the CPU here): blocks in shuffled order and NaN in every slot outside a
+context, so a read past a sequence's range, or a masked lane that leaks, shows as NaN."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from batchinfer.kernels import cpu_decode
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = cpu_decode.load()
+    if k is None:
+        pytest.skip("the C decode kernel cannot be built here (no C compiler or OpenMP runtime)")
+    return k
+
+
+def reference(query, k_cache, v_cache, block_tables, lo, hi, scale):
+    """(out, lse) in float64, one sequence at a time."""
+    n, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty(n, num_heads, head_dim, dtype=torch.float64)
+    lse = torch.empty(n, num_heads, dtype=torch.float64)
+    for i in range(n):
+        pos = torch.arange(int(lo[i]), int(hi[i]))
+        slots = block_tables[i, pos // block_size].long() * block_size + pos % block_size
+        k = k_cache.view(-1, num_kv_heads, head_dim)[slots].double()
+        v = v_cache.view(-1, num_kv_heads, head_dim)[slots].double()
+        k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
+        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = (query[i].double()[:, None, :] @ k.transpose(1, 2))[:, 0] * scale  # [H, L]
+        lse[i] = torch.logsumexp(scores, dim=-1)
+        out[i] = (torch.softmax(scores, dim=-1)[:, None, :] @ v)[:, 0]
+    return out, lse
+
+
+def run(kernel, batch, lo, hi, scale=0.3, query=None):
+    query = batch.query if query is None else query
+    n = query.shape[0]
+    out = torch.empty(query.shape, dtype=query.dtype)
+    lse = torch.empty(n, query.shape[1], dtype=torch.float32)
+    kernel(query, batch.k_cache, batch.v_cache, batch.meta.block_tables[:n],
+           torch.tensor(lo, dtype=torch.int32), torch.tensor(hi, dtype=torch.int32), scale,
+           out, lse)
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("num_kv_heads, group, head_dim, block_size", [
+    (4, 2, 32, 16),    # the bench's tiny shape
+    (3, 3, 64, 16),    # SmolLM2-135M
+    (2, 4, 128, 16),   # Llama-style head_dim
+    (1, 1, 16, 8),     # blocks shorter than the 16-key chunk
+    (5, 1, 48, 32),    # no GQA; blocks longer than a chunk
+    (2, 16, 32, 16),   # the widest group the kernel takes
+])
+def test_matches_reference(kernel, paged_batch, dtype, tol, num_kv_heads, group, head_dim, block_size):
+    seq_lens = [1, 15, 16, 17, 33, 100, 257, 64]
+    batch = paged_batch(seq_lens, [1] * len(seq_lens), block_size=block_size,
+                        num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, dtype=dtype,
+                        device=CPU)
+    assert kernel.supports(dtype, num_kv_heads * group, num_kv_heads, head_dim)
+    # whole contexts, and ranges starting mid-block / at a block edge (a cascade's own part,
+    # a sliding window)
+    for lo in ([0] * len(seq_lens), [0, 3, 16, 1, 16, 37, 200, 63]):
+        out, lse = run(kernel, batch, lo, seq_lens)
+        ref_out, ref_lse = reference(batch.query, batch.k_cache, batch.v_cache,
+                                     batch.meta.block_tables, lo, seq_lens, 0.3)
+        torch.testing.assert_close(out.double(), ref_out, atol=tol, rtol=tol)
+        torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize("num_seqs", [3, 40])  # one KV head per work item / whole rows
+def test_work_split_and_threads(kernel, paged_batch, num_threads, num_seqs):
+    seq_lens = [(37 * i) % 300 + 1 for i in range(num_seqs)]
+    batch = paged_batch(seq_lens, [1] * num_seqs, block_size=16, num_kv_heads=4, group=2,
+                        head_dim=32, dtype=torch.float32, seed=num_seqs, device=CPU)
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        out, lse = run(kernel, batch, [0] * num_seqs, seq_lens)
+    finally:
+        torch.set_num_threads(before)
+    ref_out, ref_lse = reference(batch.query, batch.k_cache, batch.v_cache,
+                                 batch.meta.block_tables, [0] * num_seqs, seq_lens, 0.3)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-4)
+
+
+def test_strided_query_rows(kernel, paged_batch):
+    # the model hands over q as a view of the fused qkv projection: rows are strided
+    seq_lens = [20, 70, 5]
+    batch = paged_batch(seq_lens, [1, 1, 1], block_size=16, num_kv_heads=2, group=2,
+                        head_dim=32, dtype=torch.float32, device=CPU)
+    qkv = torch.randn(3, 4 * 32 + 2 * 2 * 32)
+    query = qkv[:, :4 * 32].view(3, 4, 32)
+    assert not query.is_contiguous()
+    out, _ = run(kernel, batch, [0, 0, 0], seq_lens, query=query)
+    ref_out, _ = reference(query, batch.k_cache, batch.v_cache, batch.meta.block_tables,
+                           [0, 0, 0], seq_lens, 0.3)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=2e-5)
+
+
+def test_rejects_arguments_out_of_contract(kernel, paged_batch):
+    batch = paged_batch([20], [1], block_size=16, num_kv_heads=2, group=2, head_dim=32,
+                        dtype=torch.float32, device=CPU)
+    with pytest.raises(ValueError, match="out of contract"):
+        run(kernel, batch, [0], [20], query=batch.query.to(torch.bfloat16))
+    assert not kernel.supports(torch.float16, 4, 2, 32)
+    assert not kernel.supports(torch.float32, 4, 2, 40)   # head_dim not a multiple of 16
+    assert not kernel.supports(torch.float32, 64, 2, 32)  # 32 query heads per KV head
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_decode, "_loaded", {})
+    monkeypatch.setenv("BATCHINFER_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_switched_off_by_the_environment(fresh_loader, monkeypatch):
+    monkeypatch.setenv(cpu_decode.ENV_SWITCH, "0")
+    assert cpu_decode.load() is None
+
+
+def test_build_failure_falls_back_with_a_warning(fresh_loader, monkeypatch, caplog):
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    with caplog.at_level(logging.WARNING, logger=cpu_decode.__name__):
+        assert cpu_decode.load() is None
+    assert "torch path" in caplog.text
+    assert not list(fresh_loader.rglob("*.so"))
+
+
+def test_builds_into_the_cache_dir_once(fresh_loader, kernel):
+    first = cpu_decode.load()
+    assert first is not None and first.path.parent == fresh_loader / "kernels"
+    cpu_decode._loaded.clear()
+    assert cpu_decode.load().path == first.path  # found again, not rebuilt elsewhere
+    assert len(list((fresh_loader / "kernels").iterdir())) == 1
