@@ -56,10 +56,16 @@ static inline float hsum(f32x16 v) {
     for (int i = 0; i < 16; i++) s += v[i];
     return s;
 }
-static inline float hmax(f32x16 v) {
-    float m = v[0];
-    for (int i = 1; i < 16; i++) m = v[i] > m ? v[i] : m;
-    return m;
+static inline f32x16 vmax(f32x16 a, f32x16 b) {
+    i32x16 gt = (i32x16)(a > b);
+    return (f32x16)(((i32x16)a & gt) | ((i32x16)b & ~gt));
+}
+/* the maximum of v's lanes, in every lane (a butterfly: no serial chain of 16 steps) */
+static inline f32x16 max_all(f32x16 v) {
+    v = vmax(v, SHUFFLE(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    v = vmax(v, SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+    v = vmax(v, SHUFFLE(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+    return vmax(v, SHUFFLE(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
 }
 
 /* exp(x) for x <= 0 (Cephes' polynomial); lanes below -87 give ~1e-38, not 0, so callers
@@ -100,107 +106,146 @@ static inline f32x16 transpose_sum16(const f32x16 *x) {
 
 #define MAX_ROWS 32    /* query rows one work item carries (heads_per_item * group) */
 
-#define DEFINE_DECODE(NAME, T, LOAD, STORE)                                                    \
+/* Elements are float32 (bf16 == 0) or bfloat16 (bf16 == 1); the functions below are
+ * inlined with a constant flag, so each entry point compiles to its own straight code. */
+static inline f32x16 load16(const void *base, int64_t i, int bf16) {
+    return bf16 ? load_bf16((const uint16_t *)base + i) : load_f32((const float *)base + i);
+}
+static inline void store16(void *base, int64_t i, f32x16 v, int bf16) {
+    if (bf16) store_bf16((uint16_t *)base + i, v);
+    else store_f32((float *)base + i, v);
+}
+static inline void prefetch_rows(const void *cache, int64_t first, int64_t rows,
+                                 int64_t row_stride, int64_t bytes, int bf16) {
+    const char *p = (const char *)cache + first * (bf16 ? 2 : 4);
+    const int64_t stride = row_stride * (bf16 ? 2 : 4);
+    for (int64_t j = 0; j < rows; j++)
+        for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(p + j * stride + c);
+}
+
+/* Keys [j0, j0 + n) of a sequence lie in one block: the chunk starting at j0. */
+static inline int64_t chunk_len(int64_t j0, int64_t end, int64_t block_size) {
+    int64_t n = block_size - j0 % block_size;
+    if (n > 16) n = 16;
+    return n < end - j0 ? n : end - j0;
+}
+
+/* One work item: sequence t, KV heads [h0, h0 + nh). */
+static inline __attribute__((always_inline)) void decode_item(
+        const void *q, int64_t q_token_stride, const void *k_cache, const void *v_cache,
+        const int32_t *table, int64_t lo, int64_t hi, int64_t t, int64_t h0, int64_t nh,
+        int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
+        float scale, void *out, float *lse, int bf16) {
+    const int64_t nc = head_dim / 16, key_stride = num_kv_heads * head_dim, rows = nh * group;
+    const int64_t span = nh * head_dim * (bf16 ? 2 : 4);  /* bytes of one key row we read */
+    const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    f32x16 qv[MAX_ROWS][MAX_CHUNKS], acc[MAX_ROWS][MAX_CHUNKS], part[MAX_ROWS][16], p[MAX_ROWS];
+    /* per row: running max (the same in every lane) and running sum (per lane) */
+    f32x16 m[MAX_ROWS], l[MAX_ROWS];
+    const int64_t q0 = t * q_token_stride + h0 * group * head_dim;
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t c = 0; c < nc; c++) {
+            qv[r][c] = load16(q, q0 + r * head_dim + c * 16, bf16) * scale;
+            acc[r][c] = (f32x16){0};
+        }
+        m[r] = (f32x16){0} - INFINITY;
+        l[r] = (f32x16){0};
+    }
+    for (int64_t j0 = lo; j0 < hi;) {
+        const int64_t n = chunk_len(j0, hi, block_size);
+        const int64_t base = ((int64_t)table[j0 / block_size] * block_size + j0 % block_size)
+                             * key_stride + h0 * head_dim;
+        const i32x16 valid = lane < (int32_t)n;
+        if (j0 + n < hi) {  /* start loading the next chunk's rows */
+            const int64_t j1 = j0 + n;
+            const int64_t next = ((int64_t)table[j1 / block_size] * block_size + j1 % block_size)
+                                 * key_stride + h0 * head_dim;
+            const int64_t n1 = chunk_len(j1, hi, block_size);
+            prefetch_rows(k_cache, next, n1, key_stride, span, bf16);
+            prefetch_rows(v_cache, next, n1, key_stride, span, bf16);
+        }
+        /* scores: 16-lane partial dot products per key, then one transpose-add per row */
+        for (int64_t j = 0; j < n; j++) {
+            for (int64_t hh = 0; hh < nh; hh++) {
+                f32x16 kv[MAX_CHUNKS];
+                for (int64_t c = 0; c < nc; c++)
+                    kv[c] = load16(k_cache, base + j * key_stride + hh * head_dim + c * 16, bf16);
+                for (int64_t g = 0; g < group; g++) {
+                    const int64_t r = hh * group + g;
+                    f32x16 x = qv[r][0] * kv[0];
+                    for (int64_t c = 1; c < nc; c++) x += qv[r][c] * kv[c];
+                    part[r][j] = x;
+                }
+            }
+        }
+        /* online softmax: lanes past the chunk's end score -inf and weigh 0 */
+        for (int64_t r = 0; r < rows; r++) {
+            for (int64_t j = n; j < 16; j++) part[r][j] = (f32x16){0};
+            f32x16 s = transpose_sum16(part[r]);
+            s = (f32x16)(((i32x16)s & valid) | ((i32x16)((f32x16){0} - INFINITY) & ~valid));
+            const f32x16 m_new = vmax(m[r], max_all(s));
+            const f32x16 corr = exp_nonpos(m[r] - m_new);
+            f32x16 e = exp_nonpos(s - m_new);
+            e = (f32x16)((i32x16)e & valid);
+            m[r] = m_new;
+            if (corr[0] != 1.f) {
+                l[r] *= corr;
+                for (int64_t c = 0; c < nc; c++) acc[r][c] *= corr;
+            }
+            l[r] += e;
+            p[r] = e;
+        }
+        /* values: acc += weight * v, key by key */
+        for (int64_t j = 0; j < n; j++) {
+            for (int64_t hh = 0; hh < nh; hh++) {
+                f32x16 vv[MAX_CHUNKS];
+                for (int64_t c = 0; c < nc; c++)
+                    vv[c] = load16(v_cache, base + j * key_stride + hh * head_dim + c * 16, bf16);
+                for (int64_t g = 0; g < group; g++) {
+                    const int64_t r = hh * group + g;
+                    const float w = p[r][j];
+                    for (int64_t c = 0; c < nc; c++) acc[r][c] += w * vv[c];
+                }
+            }
+        }
+        j0 += n;
+    }
+    const int64_t o0 = (t * num_kv_heads + h0) * group;
+    for (int64_t r = 0; r < rows; r++) {
+        const float sum = hsum(l[r]);
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        for (int64_t c = 0; c < nc; c++)
+            store16(out, (o0 + r) * head_dim + c * 16, acc[r][c] * inv, bf16);
+        if (lse) lse[o0 + r] = sum > 0.f ? m[r][0] + logf(sum) : -INFINITY;
+    }
+}
+
+static inline int unsupported(int64_t group, int64_t head_dim, int64_t heads_per_item) {
+    return group < 1 || group > MAX_GROUP || head_dim % 16 || head_dim / 16 > MAX_CHUNKS
+        || heads_per_item < 1 || heads_per_item * group > MAX_ROWS;
+}
+
+/* Entry points, one per element type (each with its own parallel loop, so the element type
+ * is a constant inside it). q [num_seqs, num_kv_heads * group, head_dim] with rows
+ * q_token_stride elements apart; out contiguous in the same shape; lse (optional)
+ * [num_seqs, heads]. Returns nonzero, touching nothing, for a shape it does not handle. */
+#define ENTRY(NAME, T, BF16)                                                                  \
 int NAME(const T *q, int64_t q_token_stride, const T *k_cache, const T *v_cache,               \
          const int32_t *block_tables, int64_t bt_stride, const int32_t *lo, const int32_t *hi, \
          int64_t num_seqs, int64_t num_kv_heads, int64_t group, int64_t head_dim,              \
          int64_t block_size, float scale, T *out, float *lse, int64_t heads_per_item) {        \
-    if (group < 1 || group > MAX_GROUP || head_dim % 16 || head_dim / 16 > MAX_CHUNKS         \
-        || heads_per_item < 1 || heads_per_item * group > MAX_ROWS)                            \
-        return 1;                                                                              \
-    const int64_t nc = head_dim / 16, key_stride = num_kv_heads * head_dim;                    \
+    if (unsupported(group, head_dim, heads_per_item)) return 1;                               \
     const int64_t splits = (num_kv_heads + heads_per_item - 1) / heads_per_item;               \
-    const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};               \
     _Pragma("omp parallel for schedule(dynamic, 1)")                                           \
     for (int64_t item = 0; item < num_seqs * splits; item++) {                                 \
         const int64_t t = item / splits, h0 = (item % splits) * heads_per_item;                \
-        const int64_t nh = num_kv_heads - h0 < heads_per_item ? num_kv_heads - h0 : heads_per_item; \
-        const int64_t rows = nh * group;                                                       \
-        f32x16 qv[MAX_ROWS][MAX_CHUNKS], acc[MAX_ROWS][MAX_CHUNKS], part[MAX_ROWS][16], p[MAX_ROWS]; \
-        float m[MAX_ROWS], l[MAX_ROWS];                                                        \
-        const T *qp = q + t * q_token_stride + h0 * group * head_dim;                          \
-        for (int64_t r = 0; r < rows; r++) {                                                   \
-            for (int64_t c = 0; c < nc; c++) {                                                 \
-                qv[r][c] = LOAD(qp + r * head_dim + c * 16) * scale;                           \
-                acc[r][c] = (f32x16){0};                                                       \
-            }                                                                                  \
-            m[r] = -INFINITY;                                                                  \
-            l[r] = 0.f;                                                                        \
-        }                                                                                      \
-        const int32_t *table = block_tables + t * bt_stride;                                   \
-        for (int64_t j0 = lo[t], end = hi[t]; j0 < end;) {                                     \
-            const int64_t row = j0 % block_size;                                               \
-            int64_t n = block_size - row;                                                      \
-            if (n > 16) n = 16;                                                                \
-            if (n > end - j0) n = end - j0;                                                    \
-            const int64_t base = ((int64_t)table[j0 / block_size] * block_size + row)          \
-                                 * key_stride + h0 * head_dim;                                 \
-            const i32x16 valid = lane < (int32_t)n;                                            \
-            if (j0 + n < end) {  /* start loading the next chunk's rows */                   \
-                const int64_t j1 = j0 + n, r1 = j1 % block_size;                               \
-                int64_t n1 = block_size - r1;                                                  \
-                if (n1 > 16) n1 = 16;                                                          \
-                if (n1 > end - j1) n1 = end - j1;                                              \
-                const int64_t b1 = ((int64_t)table[j1 / block_size] * block_size + r1)        \
-                                   * key_stride + h0 * head_dim;                               \
-                const int64_t span = nh * head_dim * (int64_t)sizeof(T);                       \
-                for (int64_t j = 0; j < n1; j++)                                               \
-                    for (int64_t c = 0; c < span; c += 64) {                                   \
-                        __builtin_prefetch((const char *)(k_cache + b1 + j * key_stride) + c); \
-                        __builtin_prefetch((const char *)(v_cache + b1 + j * key_stride) + c); \
-                    }                                                                          \
-            }                                                                                  \
-            for (int64_t j = 0; j < n; j++) {                                                  \
-                const T *kp = k_cache + base + j * key_stride;                                 \
-                for (int64_t hh = 0; hh < nh; hh++) {                                          \
-                    f32x16 kv[MAX_CHUNKS];                                                     \
-                    for (int64_t c = 0; c < nc; c++) kv[c] = LOAD(kp + hh * head_dim + c * 16); \
-                    for (int64_t g = 0; g < group; g++) {                                      \
-                        const int64_t r = hh * group + g;                                      \
-                        f32x16 x = qv[r][0] * kv[0];                                           \
-                        for (int64_t c = 1; c < nc; c++) x += qv[r][c] * kv[c];                \
-                        part[r][j] = x;                                                        \
-                    }                                                                          \
-                }                                                                              \
-            }                                                                                  \
-            for (int64_t r = 0; r < rows; r++) {                                               \
-                for (int64_t j = n; j < 16; j++) part[r][j] = (f32x16){0};                     \
-                f32x16 s = transpose_sum16(part[r]);                                           \
-                s = (f32x16)(((i32x16)s & valid) | ((i32x16)((f32x16){0} - INFINITY) & ~valid)); \
-                const float m_new = fmaxf(m[r], hmax(s));                                      \
-                const float corr = expf(m[r] - m_new);                                         \
-                f32x16 e = exp_nonpos(s - m_new);                                              \
-                e = (f32x16)((i32x16)e & valid);                                               \
-                l[r] = l[r] * corr + hsum(e);                                                  \
-                m[r] = m_new;                                                                  \
-                if (corr != 1.f)                                                               \
-                    for (int64_t c = 0; c < nc; c++) acc[r][c] *= corr;                        \
-                p[r] = e;                                                                      \
-            }                                                                                  \
-            for (int64_t j = 0; j < n; j++) {                                                  \
-                const T *vp = v_cache + base + j * key_stride;                                 \
-                for (int64_t hh = 0; hh < nh; hh++) {                                          \
-                    f32x16 vv[MAX_CHUNKS];                                                     \
-                    for (int64_t c = 0; c < nc; c++) vv[c] = LOAD(vp + hh * head_dim + c * 16); \
-                    for (int64_t g = 0; g < group; g++) {                                      \
-                        const int64_t r = hh * group + g;                                      \
-                        const float w = p[r][j];                                               \
-                        for (int64_t c = 0; c < nc; c++) acc[r][c] += w * vv[c];               \
-                    }                                                                          \
-                }                                                                              \
-            }                                                                                  \
-            j0 += n;                                                                           \
-        }                                                                                      \
-        T *op = out + (t * num_kv_heads + h0) * group * head_dim;                              \
-        for (int64_t r = 0; r < rows; r++) {                                                   \
-            const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;                                   \
-            for (int64_t c = 0; c < nc; c++) STORE(op + r * head_dim + c * 16, acc[r][c] * inv); \
-            if (lse) lse[(t * num_kv_heads + h0) * group + r] =                                \
-                l[r] > 0.f ? m[r] + logf(l[r]) : -INFINITY;                                    \
-        }                                                                                      \
+        const int64_t nh = num_kv_heads - h0 < heads_per_item ? num_kv_heads - h0              \
+                                                              : heads_per_item;                \
+        decode_item(q, q_token_stride, k_cache, v_cache, block_tables + t * bt_stride, lo[t],  \
+                    hi[t], t, h0, nh, num_kv_heads, group, head_dim, block_size, scale, out,   \
+                    lse, BF16);                                                                \
     }                                                                                          \
     return 0;                                                                                  \
 }
-
-DEFINE_DECODE(paged_decode_f32, float, load_f32, store_f32)
-DEFINE_DECODE(paged_decode_bf16, uint16_t, load_bf16, store_bf16)
+ENTRY(paged_decode_f32, float, 0)
+ENTRY(paged_decode_bf16, uint16_t, 1)
