@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 from batchinfer.model.random_checkpoint import build_random_checkpoint
+from batchinfer.paths import cache_root
 
 DEMO_NOTICE = ("The built-in demo model has random weights: its output text is meaningless "
                "and only shows that the pipeline works.")
@@ -20,12 +21,6 @@ DEMO_SHAPE = "tiny"
 DEMO_SEED = 0
 
 logger = logging.getLogger(__name__)
-
-
-def cache_root() -> Path:
-    """`$BATCHINFER_CACHE` if set, else ~/.cache/batchinfer."""
-    root = os.environ.get("BATCHINFER_CACHE")
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "batchinfer"
 
 
 def _is_complete(path: Path) -> bool:

@@ -7,7 +7,7 @@ on a memory-bound CPU roughly halves decode attention time. It is optional: with
 compiler, on an OpenMP runtime other than the one it links to, or with
 BATCHINFER_CPU_DECODE_KERNEL=0, load() returns None and the torch path runs instead.
 
-The shared library is cached under $BATCHINFER_CACHE_DIR/kernels (default
+The shared library is cached under the cache root's kernels/ (batchinfer.paths; by default
 ~/.cache/batchinfer/kernels), keyed by the source, the compiler, its flags and the CPU, so
 nodes of a cluster that share a home directory never load each other's builds.
 """
@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from batchinfer.paths import cache_root
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode_cpu.c")
@@ -35,12 +37,6 @@ MAX_ROWS = 32           # query rows per work item (MAX_ROWS)
 MAX_HEAD_DIM = 256      # 16 * MAX_CHUNKS
 # Query rows x 16-lane chunks one work item keeps in registers and L1 (q, accumulators).
 ROW_CHUNK_BUDGET = 128
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("BATCHINFER_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "batchinfer")
-    return Path(root) / "kernels"
 
 
 def _torch_openmp_runtime() -> str | None:
@@ -177,7 +173,7 @@ def _load() -> CpuDecodeKernel | None:
         key = hashlib.sha256("\0".join(
             [SOURCE.read_text(), compiler, version, " ".join(_flags()), runtime,
              _cpu_identity()]).encode()).hexdigest()[:20]
-        target = _cache_dir() / f"paged_decode_cpu-{key}.so"
+        target = cache_root() / "kernels" / f"paged_decode_cpu-{key}.so"
         if not target.is_file():
             _compile(compiler, runtime, target)
         return CpuDecodeKernel(target)

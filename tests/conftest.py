@@ -34,16 +34,16 @@ import checkpoints  # noqa: E402
 
 @pytest.fixture(scope="session", autouse=True)
 def batchinfer_cache(tmp_path_factory: pytest.TempPathFactory):
-    """A fresh BATCHINFER_CACHE for the session, so the demo model is never read from or
-    written to the user's real cache."""
-    previous = os.environ.get("BATCHINFER_CACHE")
+    """A fresh BATCHINFER_CACHE_DIR for the session, so the demo model, bench shapes and
+    compiled CPU kernels are never read from or written to the user's real cache."""
+    previous = os.environ.get("BATCHINFER_CACHE_DIR")
     path = tmp_path_factory.mktemp("batchinfer-cache")
-    os.environ["BATCHINFER_CACHE"] = str(path)
+    os.environ["BATCHINFER_CACHE_DIR"] = str(path)
     yield path
     if previous is None:
-        os.environ.pop("BATCHINFER_CACHE", None)
+        os.environ.pop("BATCHINFER_CACHE_DIR", None)
     else:
-        os.environ["BATCHINFER_CACHE"] = previous
+        os.environ["BATCHINFER_CACHE_DIR"] = previous
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from batchinfer.paths import cache_root
+
 # Shapes small enough to write real random weights for (a few hundred MB at most).
 SMALL_SHAPES = ("tiny", "smollm2-135m")
 
@@ -30,9 +32,7 @@ class ModelSource:
 
 
 def default_cache_dir() -> Path:
-    root = os.environ.get("BATCHINFER_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "batchinfer")
-    return Path(root) / "bench"
+    return cache_root() / "bench"
 
 
 def shape_names() -> list[str]:
