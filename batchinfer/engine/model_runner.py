@@ -15,6 +15,7 @@ from batchinfer.config import EngineConfig
 from batchinfer.engine.host_memory import keep_freed_memory
 from batchinfer.engine.sampler import Sampler, SamplingBatch
 from batchinfer.engine.scheduler import SchedulerOutput
+from batchinfer.model import cpu_linear
 from batchinfer.model.loader import load_model
 from batchinfer.sampling_params import SamplingParams
 
@@ -57,6 +58,9 @@ class ModelRunner:
         self.backend = get_attention_backend(config.attention_backend, device)
         self.model = load_model(model_path, hf_config, self.backend, dtype, device,
                                 config.load_format, config.allow_pickle_weights, config.seed)
+        if device.type == "cpu":
+            # decode steps multiply about max_num_seqs rows
+            cpu_linear.pack_model(self.model, dtype, batch_hint=config.max_num_seqs)
         attn = self.model.model.layers[0].self_attn
         self.num_layers = len(self.model.model.layers)
         self.kv_shape = (self.block_size, attn.num_kv_heads, attn.head_dim)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchinfer.attention import AttentionMetadata
+from batchinfer.model import cpu_linear
 from batchinfer.model.parallel import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                                        RowParallelLinear, TensorParallel, VocabParallelEmbedding)
 from batchinfer.model.rope import RotaryEmbedding, apply_rotary, rope_parameters
@@ -74,14 +75,25 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
+        self.packed_halves = None  # gate and up in oneDNN's layout, once pack_weights() ran
+
+    def pack_weights(self, batch_hint: int) -> None:
+        weight = self.gate_up_proj.weight
+        half = weight.shape[0] // 2
+        self.packed_halves = (cpu_linear.pack(weight[:half], batch_hint),
+                              cpu_linear.pack(weight[half:], batch_hint))
+        self.gate_up_proj.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # two products on the fused weight's halves give contiguous outputs; silu and mul
         # on strided halves of one product cost more than the products themselves on CPU
-        weight = self.gate_up_proj.weight
-        half = weight.shape[0] // 2
-        gate = F.linear(x, weight[:half])
-        return self.down_proj(F.silu(gate).mul_(F.linear(x, weight[half:])))
+        if self.packed_halves is not None:
+            gate, up = (cpu_linear.linear(x, w) for w in self.packed_halves)
+        else:
+            weight = self.gate_up_proj.weight
+            half = weight.shape[0] // 2
+            gate, up = F.linear(x, weight[:half]), F.linear(x, weight[half:])
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -122,6 +134,7 @@ class CausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.tied = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

@@ -8,6 +8,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from batchinfer.model import cpu_linear
+
 
 class TensorParallel:
     """This process's place in the tensor-parallel group."""
@@ -53,13 +55,22 @@ class ColumnParallelLinear(nn.Module):
         out = sum(self.output_sizes)
         self.weight = nn.Parameter(torch.empty(out, input_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
+        self.packed = None  # the weight in oneDNN's layout, once pack_weights() ran
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
         offset = sum(self.output_sizes[:shard_id])
         size = self.output_sizes[shard_id]
         param.data[offset:offset + size].copy_(_shard(loaded, 0))
 
+    def pack_weights(self, batch_hint: int) -> None:
+        if self.weight is None:  # its owner packed it (the MLP packs gate and up apart)
+            return
+        self.packed = cpu_linear.pack(self.weight, batch_hint)
+        self.weight = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return cpu_linear.linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -85,12 +96,21 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(output_size, input_size // TensorParallel.size),
                                    requires_grad=False)
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
+        self.packed = None
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
         param.data.copy_(_shard(loaded, 1) if param is self.weight else loaded)
 
+    def pack_weights(self, batch_hint: int) -> None:
+        self.packed = cpu_linear.pack(self.weight, batch_hint)
+        self.weight = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = TensorParallel.all_reduce(F.linear(x, self.weight))
+        if self.packed is not None:
+            y = cpu_linear.linear(x, self.packed)
+        else:
+            y = F.linear(x, self.weight)
+        y = TensorParallel.all_reduce(y)
         return y + self.bias if self.bias is not None else y
 
 
@@ -121,6 +141,18 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
+    packed = None
+    tied = False  # the weight is the input embedding's table, which stays in use
+
+    def pack_weights(self, batch_hint: int) -> None:
+        self.packed = cpu_linear.pack(self.weight, batch_hint)
+        if not self.tied:
+            self.weight = None
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = TensorParallel.all_gather_last_dim(F.linear(hidden, self.weight))
+        if self.packed is not None:
+            logits = cpu_linear.linear(hidden, self.packed)
+        else:
+            logits = F.linear(hidden, self.weight)
+        logits = TensorParallel.all_gather_last_dim(logits)
         return logits[..., :self.vocab_size]
