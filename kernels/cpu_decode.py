@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -47,13 +48,16 @@ def _torch_openmp_runtime() -> str | None:
         return None
     try:
         with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = line.rstrip("\n").split(maxsplit=5)[-1]
-                if "libgomp" in os.path.basename(path) and os.path.isfile(path):
-                    return path
+            found = {line.rstrip("\n").split(maxsplit=5)[-1] for line in maps}
     except OSError:
         return None
-    return None
+    found = sorted(p for p in found if "libgomp" in os.path.basename(p) and os.path.isfile(p))
+    # another extension may have loaded a second copy: prefer torch's own (torch/lib, or
+    # torch.libs beside it in manylinux wheels)
+    torch_dir = os.path.dirname(os.path.dirname(torch.__file__))
+    ours = [p for p in found if os.path.realpath(p).startswith(os.path.realpath(torch_dir))
+            and "torch" in p]
+    return (ours or found or [None])[0]
 
 
 def _cpu_identity() -> str:
@@ -73,15 +77,15 @@ def _flags() -> list[str]:
     return flags
 
 
-def _compile(compiler: str, runtime: str, target: Path) -> None:
+def _compile(compiler: list[str], runtime: str, target: Path) -> None:
     """Compile to a temporary name beside target, then rename: concurrent builders (ranks,
     array tasks) never load a half-written library."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         obj, lib = Path(tmp) / "kernel.o", Path(tmp) / "kernel.so"
         # link with the runtime's file itself, not -fopenmp's default libgomp
-        for cmd in ([compiler, *_flags(), "-c", str(SOURCE), "-o", str(obj)],
-                    [compiler, "-shared", str(obj), runtime, "-o", str(lib)]):
+        for cmd in ([*compiler, *_flags(), "-c", str(SOURCE), "-o", str(obj)],
+                    [*compiler, "-shared", str(obj), runtime, "-o", str(lib)]):
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if done.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")
@@ -102,6 +106,20 @@ class CpuDecodeKernel:
                            p, p, i64]
             fn.restype = ctypes.c_int
             self._fns[dtype] = fn
+        self._checked: tuple[torch.Tensor, ...] | None = None  # last ranges validated
+
+    def _check_ranges(self, block_tables, lo, hi, n, num_blocks, block_size) -> None:
+        """Every position read lies in the block table and every block id in the cache.
+        The same tensors are passed for every layer of a step: checked once per step."""
+        key = (block_tables, lo, hi)
+        if self._checked is not None and all(a is b for a, b in zip(key, self._checked)):
+            return
+        if n and not (int(lo.min()) >= 0 and bool((hi >= lo).all())
+                      and int(hi.max()) <= block_tables.shape[1] * block_size
+                      and int(block_tables[:n].min()) >= 0
+                      and int(block_tables[:n].max()) < num_blocks):
+            raise ValueError("cpu decode kernel: key ranges or block ids outside the cache")
+        self._checked = key
 
     def supports(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
         group = num_heads // num_kv_heads
@@ -115,10 +133,14 @@ class CpuDecodeKernel:
         positions [lo[i], hi[i]) of sequence i. Writes out [n, H, D] (contiguous) and, when
         given, lse [n, H] float32 (natural log-sum-exp of the scaled scores)."""
         n, num_heads, head_dim = query.shape
-        num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+        num_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
         group = num_heads // num_kv_heads
-        if not (query.stride(2) == 1 and query.stride(1) == head_dim
+        tensors = [query, k_cache, v_cache, block_tables, lo, hi, out, lse]
+        if not (all(t.device.type == "cpu" for t in tensors if t is not None)
+                and num_heads == num_kv_heads * group and cache_head_dim == head_dim
+                and query.stride(2) == 1 and query.stride(1) == head_dim
                 and k_cache.is_contiguous() and v_cache.is_contiguous()
+                and v_cache.shape == k_cache.shape
                 and k_cache.dtype == v_cache.dtype == query.dtype == out.dtype
                 and out.is_contiguous() and out.shape == query.shape
                 and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
@@ -128,6 +150,7 @@ class CpuDecodeKernel:
                 and (lse is None or (lse.dtype == torch.float32 and lse.is_contiguous()
                                      and lse.numel() == n * num_heads))):
             raise ValueError("cpu decode kernel: arguments out of contract")
+        self._check_ranges(block_tables, lo, hi, n, num_blocks, block_size)
         nc = head_dim // 16
         # Whole rows of KV heads per work item when there are enough sequences to keep every
         # thread busy; otherwise one KV head per item for more parallelism.
@@ -161,17 +184,24 @@ def load() -> CpuDecodeKernel | None:
 def _load() -> CpuDecodeKernel | None:
     if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    # GCC: clang's -fopenmp targets LLVM's runtime, not the libgomp torch loads
+    compiler = shlex.split(os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+                           or "")
     runtime = _torch_openmp_runtime()
-    if compiler is None or runtime is None:
-        log.info("CPU decode kernel not used (%s); decode attention takes the torch path",
-                 "no C compiler" if compiler is None else "torch's OpenMP runtime not found")
+    if not compiler or runtime is None:
+        log.warning("CPU decode kernel not used (%s); decode attention takes the slower torch "
+                    "path", "no C compiler (gcc)" if not compiler
+                    else "torch's OpenMP runtime (libgomp) not found")
         return None
     try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+        version = subprocess.run([*compiler, "--version"], capture_output=True, text=True,
                                  timeout=30).stdout
+        if "clang" in version.lower():
+            log.warning("CPU decode kernel not used: %s is clang, whose OpenMP code needs "
+                        "LLVM's runtime, not torch's libgomp; set CC=gcc", compiler[0])
+            return None
         key = hashlib.sha256("\0".join(
-            [SOURCE.read_text(), compiler, version, " ".join(_flags()), runtime,
+            [SOURCE.read_text(), *compiler, version, " ".join(_flags()), runtime,
              _cpu_identity()]).encode()).hexdigest()[:20]
         target = cache_root() / "kernels" / f"paged_decode_cpu-{key}.so"
         if not target.is_file():

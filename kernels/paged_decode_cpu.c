@@ -69,10 +69,11 @@ static inline f32x16 max_all(f32x16 v) {
 }
 
 /* exp(x) for x <= 0 (Cephes' polynomial); lanes below -87 give ~1e-38, not 0, so callers
- * zero masked lanes themselves. */
+ * zero masked lanes themselves. A NaN stays NaN (a NaN score must not vanish). */
 static inline f32x16 exp_nonpos(f32x16 x) {
     const f32x16 lo = (f32x16){0} - 87.0f;
-    x = (f32x16)((i32x16)x & (i32x16)(x >= lo)) + (f32x16)((i32x16)lo & ~(i32x16)(x >= lo));
+    const i32x16 below = (i32x16)(x < lo);
+    x = (f32x16)(((i32x16)x & ~below) | ((i32x16)lo & below));
     const float magic = 12582912.0f;  /* 1.5 * 2^23: adding it rounds to an integer */
     f32x16 t = x * 1.44269504088896341f + magic;
     f32x16 n = t - magic;
@@ -213,10 +214,10 @@ static inline __attribute__((always_inline)) void decode_item(
     const int64_t o0 = (t * num_kv_heads + h0) * group;
     for (int64_t r = 0; r < rows; r++) {
         const float sum = hsum(l[r]);
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        const float inv = sum == 0.f ? 0.f : 1.f / sum;  /* 0 only for an empty range */
         for (int64_t c = 0; c < nc; c++)
             store16(out, (o0 + r) * head_dim + c * 16, acc[r][c] * inv, bf16);
-        if (lse) lse[o0 + r] = sum > 0.f ? m[r][0] + logf(sum) : -INFINITY;
+        if (lse) lse[o0 + r] = sum == 0.f ? -INFINITY : m[r][0] + logf(sum);
     }
 }
 

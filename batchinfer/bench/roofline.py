@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from batchinfer.model import cpu_linear
+
 # Dense (no sparsity) peaks per device name fragment: (bf16/fp16 FLOP/s, fp32 FLOP/s, bytes/s).
 # Checked in order, so the more specific names come first.
 DEVICE_PEAKS: list[tuple[str, float, float, float]] = [
@@ -93,13 +95,15 @@ class ModelShape:
 
 def weight_bytes_read_per_step(model: torch.nn.Module, shape: ModelShape,
                                tied_embeddings: bool) -> int:
-    """Bytes of weights a decode step reads: every parameter, except an untied input
-    embedding (only the batch's rows are gathered from it)."""
-    total = 0
+    """Bytes of weights a decode step reads: every parameter and every weight packed for
+    oneDNN (those are not parameters), except the input embedding table unless the LM head
+    reads it (tied and not packed); only the batch's rows are gathered from it."""
+    total = cpu_linear.packed_bytes(model)
     elem = 0
     for p in model.parameters():
         total += p.numel() * p.element_size()
         elem = p.element_size()
-    if not tied_embeddings:
+    head_packed = getattr(getattr(model, "lm_head", None), "packed", None) is not None
+    if not tied_embeddings or head_packed:
         total -= shape.vocab_size * shape.hidden_size * elem
     return total

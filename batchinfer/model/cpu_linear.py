@@ -56,6 +56,18 @@ def available(dtype: torch.dtype) -> bool:
         return False
 
 
+def packed_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the packed weights in model (they are not among its parameters)."""
+    total = 0
+    for module in model.modules():
+        for attr in ("packed", "packed_halves"):
+            value = getattr(module, attr, None)
+            for t in value if isinstance(value, tuple) else (value,):
+                if isinstance(t, torch.Tensor):
+                    total += t.numel() * t.element_size()
+    return total
+
+
 def pack_model(model: torch.nn.Module, dtype: torch.dtype, batch_hint: int) -> int:
     """Pack the weights of every module that can take them (pack_weights(batch_hint));
     returns how many modules did. The modules keep only the packed copy."""

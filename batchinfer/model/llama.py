@@ -78,6 +78,8 @@ class MLP(nn.Module):
         self.packed_halves = None  # gate and up in oneDNN's layout, once pack_weights() ran
 
     def pack_weights(self, batch_hint: int) -> None:
+        if self.packed_halves is not None:
+            return
         weight = self.gate_up_proj.weight
         half = weight.shape[0] // 2
         self.packed_halves = (cpu_linear.pack(weight[:half], batch_hint),

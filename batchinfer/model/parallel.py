@@ -63,10 +63,9 @@ class ColumnParallelLinear(nn.Module):
         param.data[offset:offset + size].copy_(_shard(loaded, 0))
 
     def pack_weights(self, batch_hint: int) -> None:
-        if self.weight is None:  # its owner packed it (the MLP packs gate and up apart)
-            return
-        self.packed = cpu_linear.pack(self.weight, batch_hint)
-        self.weight = None
+        if self.packed is None and self.weight is not None:  # (None: the MLP packed it)
+            self.packed = cpu_linear.pack(self.weight, batch_hint)
+            self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -102,8 +101,9 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(_shard(loaded, 1) if param is self.weight else loaded)
 
     def pack_weights(self, batch_hint: int) -> None:
-        self.packed = cpu_linear.pack(self.weight, batch_hint)
-        self.weight = None
+        if self.packed is None:
+            self.packed = cpu_linear.pack(self.weight, batch_hint)
+            self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -145,9 +145,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     tied = False  # the weight is the input embedding's table, which stays in use
 
     def pack_weights(self, batch_hint: int) -> None:
-        self.packed = cpu_linear.pack(self.weight, batch_hint)
-        if not self.tied:
-            self.weight = None
+        if self.packed is None:
+            self.packed = cpu_linear.pack(self.weight, batch_hint)
+            if not self.tied:
+                self.weight = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from batchinfer import LLM, SamplingParams
+from batchinfer.bench.roofline import ModelShape, weight_bytes_read_per_step
 from batchinfer.model import cpu_linear
 
 
@@ -64,5 +65,10 @@ def test_engine_output_unchanged_by_packing(fixture, request, fresh_probe, monke
     monkeypatch.setenv(cpu_linear.ENV_SWITCH, "0")
     cpu_linear.available.cache_clear()
     plain_llm = LLM(model=model_dir, dtype="bfloat16")
-    assert plain_llm.llm_engine.model_runner.model.model.layers[0].mlp.packed_halves is None
+    plain = plain_llm.llm_engine.model_runner.model
+    assert plain.model.layers[0].mlp.packed_halves is None
     assert _greedy(plain_llm, prompts) == packed_tokens
+    # the bench's bytes-per-step count sees the packed weights as the same bytes
+    shape = ModelShape.from_config(plain.config)
+    assert weight_bytes_read_per_step(model, shape, model.tie_word_embeddings) == \
+        weight_bytes_read_per_step(plain, shape, plain.tie_word_embeddings) > 0

@@ -115,9 +115,31 @@ def test_rejects_arguments_out_of_contract(kernel, paged_batch):
                         dtype=torch.float32, device=CPU)
     with pytest.raises(ValueError, match="out of contract"):
         run(kernel, batch, [0], [20], query=batch.query.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="out of contract"):  # head_dim differs from the cache's
+        run(kernel, batch, [0], [20], query=torch.randn(1, 4, 16))
+    # ranges past the block table, negative starts, block ids past the cache
+    width = batch.meta.block_tables.shape[1] * 16
+    for lo, hi in (([0], [width + 1]), ([-1], [20]), ([5], [4])):
+        with pytest.raises(ValueError, match="outside the cache"):
+            run(kernel, batch, lo, hi)
+    batch.meta.block_tables[0, 0] = batch.k_cache.shape[0]
+    with pytest.raises(ValueError, match="outside the cache"):
+        run(kernel, batch, [0], [20])
     assert not kernel.supports(torch.float16, 4, 2, 32)
     assert not kernel.supports(torch.float32, 4, 2, 40)   # head_dim not a multiple of 16
     assert not kernel.supports(torch.float32, 64, 2, 32)  # 32 query heads per KV head
+
+
+def test_a_nan_key_in_range_shows_in_the_output(kernel, paged_batch):
+    # a NaN inside the attended range must not be silently weighted to zero
+    batch = paged_batch([40], [1], block_size=16, num_kv_heads=1, group=2, head_dim=32,
+                        dtype=torch.float32, device=CPU)
+    block = int(batch.meta.block_tables[0, 1])
+    batch.k_cache[block, 3, 0, 5] = float("nan")  # position 19
+    out, lse = run(kernel, batch, [0], [40])
+    assert out.isnan().all() and lse.isnan().all()
+    out, lse = run(kernel, batch, [20], [40])  # the NaN lies outside [20, 40)
+    assert not out.isnan().any() and not lse.isnan().any()
 
 
 @pytest.fixture
