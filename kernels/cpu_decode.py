@@ -3,9 +3,9 @@ through ctypes.
 
 The CPU attention path otherwise gathers every decoding sequence's K/V into a padded copy
 per layer and runs torch's flash kernel on it; this kernel reads the blocks in place, which
-on a memory-bound CPU roughly halves decode attention time. It is optional: without a C
-compiler, on an OpenMP runtime other than the one it links to, or with
-BATCHINFER_CPU_DECODE_KERNEL=0, load() returns None and the torch path runs instead.
+on a memory-bound CPU roughly halves decode attention time. It is optional: without gcc,
+when torch's OpenMP runtime is not libgomp, or with BATCHINFER_CPU_DECODE_KERNEL=0, load()
+returns None and the torch path runs instead.
 
 The shared library is cached under the cache root's kernels/ (batchinfer.paths; by default
 ~/.cache/batchinfer/kernels), keyed by the source, the compiler, its flags and the CPU, so
