@@ -100,7 +100,8 @@ class CpuDecodeKernel:
         lib = ctypes.CDLL(str(path))
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         self._fns = {}
-        for dtype, name in ((torch.float32, "paged_decode_f32"), (torch.bfloat16, "paged_decode_bf16")):
+        for dtype, name in ((torch.float32, "paged_decode_f32"),
+                            (torch.bfloat16, "paged_decode_bf16")):
             fn = getattr(lib, name)
             fn.argtypes = [p, i64, p, p, p, i64, p, p, i64, i64, i64, i64, i64, ctypes.c_float,
                            p, p, i64]
@@ -121,7 +122,8 @@ class CpuDecodeKernel:
             raise ValueError("cpu decode kernel: key ranges or block ids outside the cache")
         self._checked = key
 
-    def supports(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    def supports(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                 head_dim: int) -> bool:
         group = num_heads // num_kv_heads
         return (dtype in self._fns and head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM
                 and 1 <= group <= MAX_GROUP)

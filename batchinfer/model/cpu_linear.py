@@ -34,6 +34,14 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def apply(x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor | None,
+          bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b through the packed weight when a layer has one, else F.linear."""
+    if packed is not None:
+        return linear(x, packed, bias)
+    return F.linear(x, weight, bias)
+
+
 @functools.cache
 def available(dtype: torch.dtype) -> bool:
     """Whether packed products of this dtype run here and equal F.linear bit for bit."""

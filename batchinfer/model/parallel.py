@@ -68,9 +68,7 @@ class ColumnParallelLinear(nn.Module):
             self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return cpu_linear.linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return cpu_linear.apply(x, self.weight, self.packed, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -106,11 +104,7 @@ class RowParallelLinear(nn.Module):
             self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            y = cpu_linear.linear(x, self.packed)
-        else:
-            y = F.linear(x, self.weight)
-        y = TensorParallel.all_reduce(y)
+        y = TensorParallel.all_reduce(cpu_linear.apply(x, self.weight, self.packed))
         return y + self.bias if self.bias is not None else y
 
 
@@ -151,9 +145,6 @@ class ParallelLMHead(VocabParallelEmbedding):
                 self.weight = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            logits = cpu_linear.linear(hidden, self.packed)
-        else:
-            logits = F.linear(hidden, self.weight)
+        logits = cpu_linear.apply(hidden, self.weight, self.packed)
         logits = TensorParallel.all_gather_last_dim(logits)
         return logits[..., :self.vocab_size]

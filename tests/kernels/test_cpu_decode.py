@@ -1,7 +1,8 @@
 """The C paged-decode kernel (kernels/paged_decode_cpu.c) against a float64 reference.
 
-Caches come from the paged_batch fixture (on the CPU here): blocks in shuffled order and NaN in every slot outside a
-context, so a read past a sequence's range, or a masked lane that leaks, shows as NaN."""
+Caches come from the paged_batch fixture (on the CPU here): blocks in shuffled order and
+NaN in every slot outside a context, so a read past a sequence's range, or a masked lane
+that leaks, shows as NaN."""
 from __future__ import annotations
 
 import logging
@@ -67,7 +68,8 @@ def run(kernel, batch, lo, hi, scale=0.3, query=None):
     (5, 1, 48, 32),    # no GQA; blocks longer than a chunk
     (2, 16, 32, 16),   # the widest group the kernel takes
 ])
-def test_matches_reference(kernel, paged_batch, dtype, tol, num_kv_heads, group, head_dim, block_size):
+def test_matches_reference(kernel, paged_batch, dtype, tol, num_kv_heads, group, head_dim,
+                           block_size):
     seq_lens = [1, 15, 16, 17, 33, 100, 257, 64]
     batch = paged_batch(seq_lens, [1] * len(seq_lens), block_size=block_size,
                         num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, dtype=dtype,
