@@ -1,95 +1,30 @@
-"""The C paged-decode kernel for CPUs (paged_decode_cpu.c): built once per machine, called
-through ctypes.
+"""The C paged-decode kernel for CPUs (paged_decode_cpu.c), built by cpu_build.py and
+called through ctypes.
 
 The CPU attention path otherwise gathers every decoding sequence's K/V into a padded copy
 per layer and runs torch's flash kernel on it; this kernel reads the blocks in place, which
-on a memory-bound CPU roughly halves decode attention time. It is optional: without gcc,
-when torch's OpenMP runtime is not libgomp, or with BATCHINFER_CPU_DECODE_KERNEL=0, load()
-returns None and the torch path runs instead.
-
-The shared library is cached under the cache root's kernels/ (batchinfer.paths; by default
-~/.cache/batchinfer/kernels), keyed by the source, the compiler, its flags and the CPU, so
-nodes of a cluster that share a home directory never load each other's builds.
+on a memory-bound CPU roughly halves decode attention time. When it cannot be built (see
+cpu_build.py), load() returns None and the torch path runs instead.
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shlex
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
-from batchinfer.paths import cache_root
+from . import cpu_build
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode_cpu.c")
-ENV_SWITCH = "BATCHINFER_CPU_DECODE_KERNEL"
 MAX_GROUP = 16          # query heads per KV head (paged_decode_cpu.c: MAX_GROUP)
 MAX_ROWS = 32           # query rows per work item (MAX_ROWS)
 MAX_HEAD_DIM = 256      # 16 * MAX_CHUNKS
 # Query rows x 16-lane chunks one work item keeps in registers and L1 (q, accumulators).
 ROW_CHUNK_BUDGET = 128
-
-
-def _torch_openmp_runtime() -> str | None:
-    """Path of the libgomp torch has loaded into this process (Linux), or None. Linking
-    the kernel against that very file makes both share one thread pool: a second OpenMP
-    runtime would keep its own threads spinning while torch's run."""
-    if torch.__config__.parallel_info().find("OpenMP") < 0:
-        return None
-    try:
-        with open("/proc/self/maps") as maps:
-            found = {line.rstrip("\n").split(maxsplit=5)[-1] for line in maps}
-    except OSError:
-        return None
-    found = sorted(p for p in found if "libgomp" in os.path.basename(p) and os.path.isfile(p))
-    # another extension may have loaded a second copy: prefer torch's own (torch/lib, or
-    # torch.libs beside it in manylinux wheels)
-    torch_dir = os.path.dirname(os.path.dirname(torch.__file__))
-    ours = [p for p in found if os.path.realpath(p).startswith(os.path.realpath(torch_dir))
-            and "torch" in p]
-    return (ours or found or [None])[0]
-
-
-def _cpu_identity() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features"))]
-        return "".join(sorted(set(lines)))
-    except OSError:
-        return platform.processor()
-
-
-def _flags() -> list[str]:
-    flags = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11"]
-    if platform.machine() in ("x86_64", "AMD64"):
-        # GCC otherwise splits 512-bit vector code into 256-bit halves on AVX-512 hosts
-        flags.append("-mprefer-vector-width=512")
-    return flags
-
-
-def _compile(compiler: list[str], runtime: str, target: Path) -> None:
-    """Compile to a temporary name beside target, then rename: concurrent builders (ranks,
-    array tasks) never load a half-written library."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        obj, lib = Path(tmp) / "kernel.o", Path(tmp) / "kernel.so"
-        # link with the runtime's file itself, not -fopenmp's default libgomp
-        for cmd in ([*compiler, *_flags(), "-c", str(SOURCE), "-o", str(obj)],
-                    [*compiler, "-shared", str(obj), runtime, "-o", str(lib)]):
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-            if done.returncode != 0:
-                raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")
-        os.replace(lib, target)
 
 
 class CpuDecodeKernel:
@@ -184,32 +119,11 @@ def load() -> CpuDecodeKernel | None:
 
 
 def _load() -> CpuDecodeKernel | None:
-    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
-        return None
-    # GCC: clang's -fopenmp targets LLVM's runtime, not the libgomp torch loads
-    compiler = shlex.split(os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-                           or "")
-    runtime = _torch_openmp_runtime()
-    if not compiler or runtime is None:
-        log.warning("CPU decode kernel not used (%s); decode attention takes the slower torch "
-                    "path", "no C compiler (gcc)" if not compiler
-                    else "torch's OpenMP runtime (libgomp) not found")
+    path = cpu_build.build(SOURCE)
+    if path is None:
         return None
     try:
-        version = subprocess.run([*compiler, "--version"], capture_output=True, text=True,
-                                 timeout=30).stdout
-        if "clang" in version.lower():
-            log.warning("CPU decode kernel not used: %s is clang, whose OpenMP code needs "
-                        "LLVM's runtime, not torch's libgomp; set CC=gcc", compiler[0])
-            return None
-        key = hashlib.sha256("\0".join(
-            [SOURCE.read_text(), *compiler, version, " ".join(_flags()), runtime,
-             _cpu_identity()]).encode()).hexdigest()[:20]
-        target = cache_root() / "kernels" / f"paged_decode_cpu-{key}.so"
-        if not target.is_file():
-            _compile(compiler, runtime, target)
-        return CpuDecodeKernel(target)
-    except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
-        log.warning("CPU decode kernel could not be built (%s); decode attention takes the "
-                    "torch path", e)
+        return CpuDecodeKernel(path)
+    except (OSError, AttributeError) as e:  # a library without the expected entry points
+        log.warning("CPU decode kernel could not be loaded (%s); the torch path runs instead", e)
         return None

@@ -21,72 +21,17 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
+#include "cpu_vec.h"
 
 #define MAX_GROUP 16   /* query heads per KV head */
 #define MAX_CHUNKS 16  /* head_dim / 16 */
 
-#if defined(__clang__)
-#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (i32x16){__VA_ARGS__})
-#endif
-
-static inline f32x16 load_f32(const float *p) { f32x16 v; memcpy(&v, p, sizeof v); return v; }
-static inline void store_f32(float *p, f32x16 v) { memcpy(p, &v, sizeof v); }
-
-static inline f32x16 load_bf16(const uint16_t *p) {
-    u16x16 h; memcpy(&h, p, sizeof h);
-    u32x16 w = __builtin_convertvector(h, u32x16) << 16;
-    f32x16 v; memcpy(&v, &w, sizeof v); return v;
-}
-static inline void store_bf16(uint16_t *p, f32x16 v) {  /* round to nearest even */
-    u32x16 u; memcpy(&u, &v, sizeof u);
-    u32x16 nan = (u32x16)((u & 0x7fffffffu) > 0x7f800000u);
-    u32x16 r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    r = (r & ~nan) | (((u >> 16) | 0x40u) & nan);
-    u16x16 h = __builtin_convertvector(r, u16x16); memcpy(p, &h, sizeof h);
-}
-
-static inline float hsum(f32x16 v) {
-    float s = 0.f;
-    for (int i = 0; i < 16; i++) s += v[i];
-    return s;
-}
-static inline f32x16 vmax(f32x16 a, f32x16 b) {
-    i32x16 gt = (i32x16)(a > b);
-    return (f32x16)(((i32x16)a & gt) | ((i32x16)b & ~gt));
-}
 /* the maximum of v's lanes, in every lane (a butterfly: no serial chain of 16 steps) */
 static inline f32x16 max_all(f32x16 v) {
     v = vmax(v, SHUFFLE(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
     v = vmax(v, SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
     v = vmax(v, SHUFFLE(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
     return vmax(v, SHUFFLE(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
-}
-
-/* exp(x) for x <= 0 (Cephes' polynomial); lanes below -87 give ~1e-38, not 0, so callers
- * zero masked lanes themselves. A NaN stays NaN (a NaN score must not vanish). */
-static inline f32x16 exp_nonpos(f32x16 x) {
-    const f32x16 lo = (f32x16){0} - 87.0f;
-    const i32x16 below = (i32x16)(x < lo);
-    x = (f32x16)(((i32x16)x & ~below) | ((i32x16)lo & below));
-    const float magic = 12582912.0f;  /* 1.5 * 2^23: adding it rounds to an integer */
-    f32x16 t = x * 1.44269504088896341f + magic;
-    f32x16 n = t - magic;
-    i32x16 ni = (i32x16)t - (i32x16)((f32x16){0} + magic);
-    f32x16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    f32x16 p = (f32x16){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    return p * (f32x16)((ni + 127) << 23);
 }
 
 /* out[i] = sum of the 16 lanes of x[i], for 16 vectors, in 15 adds and 30 shuffles */
@@ -185,8 +130,8 @@ static inline __attribute__((always_inline)) void decode_item(
             f32x16 s = transpose_sum16(part[r]);
             s = (f32x16)(((i32x16)s & valid) | ((i32x16)((f32x16){0} - INFINITY) & ~valid));
             const f32x16 m_new = vmax(m[r], max_all(s));
-            const f32x16 corr = exp_nonpos(m[r] - m_new);
-            f32x16 e = exp_nonpos(s - m_new);
+            const f32x16 corr = vexp(m[r] - m_new);
+            f32x16 e = vexp(s - m_new);
             e = (f32x16)((i32x16)e & valid);
             m[r] = m_new;
             if (corr[0] != 1.f) {

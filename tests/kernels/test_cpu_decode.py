@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from batchinfer.kernels import cpu_decode
+from batchinfer.kernels import cpu_build, cpu_decode
 
 CPU = torch.device("cpu")
 
@@ -22,7 +22,7 @@ def kernel():
     if k is None:
         # only a machine without the prerequisites may skip: a kernel that stops compiling
         # must fail here, not fall back quietly
-        assert shutil.which("gcc") is None or cpu_decode._torch_openmp_runtime() is None, \
+        assert shutil.which("gcc") is None or cpu_build.torch_openmp_runtime() is None, \
             "gcc and torch's libgomp are here, yet the CPU decode kernel did not build"
         pytest.skip("no gcc or no libgomp here: the C decode kernel cannot be built")
     return k
@@ -152,18 +152,19 @@ def test_a_nan_key_in_range_shows_in_the_output(kernel, paged_batch):
 @pytest.fixture
 def fresh_loader(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_decode, "_loaded", {})
+    monkeypatch.setattr(cpu_build, "_built", {})
     monkeypatch.setenv("BATCHINFER_CACHE_DIR", str(tmp_path))
     return tmp_path
 
 
 def test_switched_off_by_the_environment(fresh_loader, monkeypatch):
-    monkeypatch.setenv(cpu_decode.ENV_SWITCH, "0")
+    monkeypatch.setenv(cpu_build.ENV_SWITCH, "0")
     assert cpu_decode.load() is None
 
 
 def test_build_failure_falls_back_with_a_warning(fresh_loader, monkeypatch, caplog):
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
-    with caplog.at_level(logging.WARNING, logger=cpu_decode.__name__):
+    with caplog.at_level(logging.WARNING, logger=cpu_build.__name__):
         assert cpu_decode.load() is None
     assert "torch path" in caplog.text
     assert not list(fresh_loader.rglob("*.so"))
@@ -173,5 +174,6 @@ def test_builds_into_the_cache_dir_once(fresh_loader, kernel):
     first = cpu_decode.load()
     assert first is not None and first.path.parent == fresh_loader / "kernels"
     cpu_decode._loaded.clear()
+    cpu_build._built.clear()
     assert cpu_decode.load().path == first.path  # found again, not rebuilt elsewhere
     assert len(list((fresh_loader / "kernels").iterdir())) == 1

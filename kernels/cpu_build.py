@@ -1,0 +1,130 @@
+"""Building the C kernels for CPUs (kernels/*.c) on first use.
+
+Each source is compiled with GCC at -O3 -march=native with OpenMP and linked to the
+libgomp torch itself loaded, so the kernels run on torch's threads: a second OpenMP runtime
+would keep its own threads spinning while torch's run. The library is cached under the
+cache root's kernels/ (batchinfer.paths; by default ~/.cache/batchinfer/kernels), keyed by
+the sources, the compiler, its flags and the CPU, so nodes of a cluster that share a home
+directory never load each other's builds; concurrent builders never see a half-written one.
+
+Everything here is optional: without gcc, when torch's OpenMP runtime is not libgomp, or
+with BATCHINFER_CPU_KERNELS=0, build() returns None (with one warning) and the callers keep
+to plain torch.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from batchinfer.paths import cache_root
+
+log = logging.getLogger(__name__)
+
+ENV_SWITCH = "BATCHINFER_CPU_KERNELS"
+HERE = Path(__file__).parent
+
+_lock = threading.Lock()
+_built: dict[Path, Path | None] = {}
+
+
+def switched_off() -> bool:
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def torch_openmp_runtime() -> str | None:
+    """Path of the libgomp torch has loaded into this process (Linux), or None."""
+    if torch.__config__.parallel_info().find("OpenMP") < 0:
+        return None
+    try:
+        with open("/proc/self/maps") as maps:
+            found = {line.rstrip("\n").split(maxsplit=5)[-1] for line in maps}
+    except OSError:
+        return None
+    found = sorted(p for p in found if "libgomp" in os.path.basename(p) and os.path.isfile(p))
+    # another extension may have loaded a second copy: prefer torch's own (torch/lib, or
+    # torch.libs beside it in manylinux wheels)
+    torch_dir = os.path.dirname(os.path.dirname(torch.__file__))
+    ours = [p for p in found if os.path.realpath(p).startswith(os.path.realpath(torch_dir))
+            and "torch" in p]
+    return (ours or found or [None])[0]
+
+
+def _cpu_identity() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor()
+
+
+def _flags() -> list[str]:
+    flags = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11", f"-I{HERE}"]
+    if platform.machine() in ("x86_64", "AMD64"):
+        # GCC otherwise splits 512-bit vector code into 256-bit halves on AVX-512 hosts
+        flags.append("-mprefer-vector-width=512")
+    return flags
+
+
+def _compile(compiler: list[str], source: Path, runtime: str, target: Path) -> None:
+    """Compile to a temporary name beside target, then rename."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        obj, lib = Path(tmp) / "kernel.o", Path(tmp) / "kernel.so"
+        # link with the runtime's file itself, not -fopenmp's default libgomp
+        for cmd in ([*compiler, *_flags(), "-c", str(source), "-o", str(obj)],
+                    [*compiler, "-shared", str(obj), runtime, "-o", str(lib)]):
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if done.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")
+        os.replace(lib, target)
+
+
+def build(source: Path) -> Path | None:
+    """The shared library built from source (once per process, cached across runs), or
+    None when C kernels cannot be built here or are switched off."""
+    with _lock:
+        if source not in _built:
+            _built[source] = None if switched_off() else _build(source)
+        return _built[source]
+
+
+def _build(source: Path) -> Path | None:
+    what = f"CPU kernel {source.name}"
+    # GCC: clang's -fopenmp targets LLVM's runtime, not the libgomp torch loads
+    compiler = shlex.split(os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+                           or "")
+    runtime = torch_openmp_runtime()
+    if not compiler or runtime is None:
+        log.warning("%s not used (%s); the slower torch path runs instead", what,
+                    "no C compiler (gcc)" if not compiler
+                    else "torch's OpenMP runtime (libgomp) not found")
+        return None
+    try:
+        version = subprocess.run([*compiler, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+        if "clang" in version.lower():
+            log.warning("%s not used: %s is clang, whose OpenMP code needs LLVM's runtime, "
+                        "not torch's libgomp; set CC=gcc", what, compiler[0])
+            return None
+        headers = sorted(HERE.glob("*.h"))
+        key = hashlib.sha256("\0".join(
+            [source.read_text(), *(h.read_text() for h in headers), *compiler, version,
+             " ".join(_flags()), runtime, _cpu_identity()]).encode()).hexdigest()[:20]
+        target = cache_root() / "kernels" / f"{source.stem}-{key}.so"
+        if not target.is_file():
+            _compile(compiler, source, runtime, target)
+        return target
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("%s could not be built (%s); the torch path runs instead", what, e)
+        return None

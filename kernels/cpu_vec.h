@@ -1,0 +1,71 @@
+/* 16-lane float vectors for the CPU kernels (GCC/Clang vector extensions; the compiler maps
+ * them to AVX-512, AVX2 or NEON), with loads and stores of float32 and bfloat16 and a
+ * vectorised exp. */
+#ifndef BATCHINFER_CPU_VEC_H
+#define BATCHINFER_CPU_VEC_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+#if defined(__clang__)
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (i32x16){__VA_ARGS__})
+#endif
+
+static inline f32x16 load_f32(const float *p) { f32x16 v; memcpy(&v, p, sizeof v); return v; }
+static inline void store_f32(float *p, f32x16 v) { memcpy(p, &v, sizeof v); }
+
+static inline f32x16 load_bf16(const uint16_t *p) {
+    u16x16 h; memcpy(&h, p, sizeof h);
+    u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+    f32x16 v; memcpy(&v, &w, sizeof v); return v;
+}
+static inline void store_bf16(uint16_t *p, f32x16 v) {  /* round to nearest even */
+    u32x16 u; memcpy(&u, &v, sizeof u);
+    u32x16 nan = (u32x16)((u & 0x7fffffffu) > 0x7f800000u);
+    u32x16 r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    r = (r & ~nan) | (((u >> 16) | 0x40u) & nan);
+    u16x16 h = __builtin_convertvector(r, u16x16); memcpy(p, &h, sizeof h);
+}
+
+static inline float hsum(f32x16 v) {
+    float s = 0.f;
+    for (int i = 0; i < 16; i++) s += v[i];
+    return s;
+}
+static inline f32x16 vmax(f32x16 a, f32x16 b) {
+    i32x16 gt = (i32x16)(a > b);
+    return (f32x16)(((i32x16)a & gt) | ((i32x16)b & ~gt));
+}
+/* exp(x) (Cephes' polynomial). Below -87 it gives ~1e-38, not 0 (callers zero masked lanes
+ * themselves); past float's range, +inf, as expf does. A NaN stays NaN. */
+static inline f32x16 vexp(f32x16 x) {
+    const f32x16 lo = (f32x16){0} - 87.0f, hi = (f32x16){0} + 88.0f;
+    const i32x16 below = (i32x16)(x < lo), above = (i32x16)(x > hi);
+    const i32x16 overflow = (i32x16)(x > 88.72283935546875f);  /* log(FLT_MAX) */
+    x = (f32x16)(((i32x16)x & ~below) | ((i32x16)lo & below));
+    x = (f32x16)(((i32x16)x & ~above) | ((i32x16)hi & above));
+    const float magic = 12582912.0f;  /* 1.5 * 2^23: adding it rounds to an integer */
+    f32x16 t = x * 1.44269504088896341f + magic;
+    f32x16 n = t - magic;
+    i32x16 ni = (i32x16)t - (i32x16)((f32x16){0} + magic);
+    f32x16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    f32x16 p = (f32x16){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const f32x16 e = p * (f32x16)((ni + 127) << 23);
+    return (f32x16)(((i32x16)e & ~overflow) | ((i32x16)((f32x16){0} + INFINITY) & overflow));
+}
+
+#endif
