@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchinfer.attention import AttentionMetadata
+from batchinfer.kernels import cpu_ops
 from batchinfer.model import cpu_linear
 from batchinfer.model.parallel import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                                        RowParallelLinear, TensorParallel, VocabParallelEmbedding)
@@ -25,6 +26,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = cpu_ops.for_tensor(x)  # bfloat16 on CPU: one fused pass, same rounding
+        if ops is not None:
+            return ops.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -95,6 +99,9 @@ class MLP(nn.Module):
             weight = self.gate_up_proj.weight
             half = weight.shape[0] // 2
             gate, up = F.linear(x, weight[:half]), F.linear(x, weight[half:])
+        ops = cpu_ops.for_tensor(gate)
+        if ops is not None:
+            return self.down_proj(ops.silu_mul_(gate, up))
         return self.down_proj(F.silu(gate).mul_(up))
 
 

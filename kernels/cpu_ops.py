@@ -1,0 +1,83 @@
+"""Fused elementwise operations for bfloat16 models on CPUs (cpu_ops.c), built by
+cpu_build.py and called through ctypes.
+
+torch runs RMSNorm as about eight passes over memory and SiLU-times-up as two, each
+converting bfloat16 to float32 and back; these do each in one pass with torch's rounding
+(see cpu_ops.c). They apply to contiguous bfloat16 CPU tensors whose last dimension is a
+multiple of 16; for anything else, or when the library cannot be built, for_tensor()
+returns None and the model keeps to torch.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from pathlib import Path
+
+import torch
+
+from . import cpu_build
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_ops.c")
+
+
+class CpuOps:
+    def __init__(self, path: Path):
+        lib = ctypes.CDLL(str(path))
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._silu_mul = lib.silu_mul_bf16
+        self._silu_mul.argtypes = [p, p, p, i64, i64, i64, i64, i64]
+        self._silu_mul.restype = None
+        self._rms_norm = lib.rms_norm_bf16
+        self._rms_norm.argtypes = [p, p, p, i64, i64, ctypes.c_float]
+        self._rms_norm.restype = None
+
+    @staticmethod
+    def handles(x: torch.Tensor) -> bool:
+        return (x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.dim() >= 1
+                and x.shape[-1] % 16 == 0 and x.is_contiguous())
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """weight * round(x / sqrt(mean(x^2) + eps)) over the last dimension."""
+        if not (self.handles(x) and weight.dtype == x.dtype and weight.is_contiguous()
+                and weight.shape == x.shape[-1:] and weight.device.type == "cpu"):
+            raise ValueError("cpu rms_norm: arguments out of contract")
+        out = torch.empty_like(x)
+        n = x.shape[-1]
+        self._rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // n, n, eps)
+        return out
+
+    def silu_mul_(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """gate = silu(gate) * up, in place; returns gate."""
+        if not (self.handles(gate) and self.handles(up) and up.shape == gate.shape):
+            raise ValueError("cpu silu_mul: arguments out of contract")
+        n = gate.shape[-1]
+        rows = gate.numel() // n
+        self._silu_mul(gate.data_ptr(), up.data_ptr(), gate.data_ptr(), rows, n, n, n, n)
+        return gate
+
+
+_lock = threading.Lock()
+_loaded: dict[str, CpuOps | None] = {}
+
+
+def load() -> CpuOps | None:
+    """The ops, built on first use; None when they cannot be built here or are switched off."""
+    with _lock:
+        if "ops" not in _loaded:
+            path = cpu_build.build(SOURCE)
+            try:
+                _loaded["ops"] = CpuOps(path) if path is not None else None
+            except (OSError, AttributeError) as e:
+                log.warning("CPU ops could not be loaded (%s); the torch path runs instead", e)
+                _loaded["ops"] = None
+        return _loaded["ops"]
+
+
+def for_tensor(x: torch.Tensor) -> CpuOps | None:
+    """The ops when they apply to x (bfloat16, CPU, contiguous, last dim a multiple of 16)."""
+    if not CpuOps.handles(x):
+        return None
+    return load()

@@ -1,0 +1,73 @@
+"""Fused bfloat16 elementwise ops for CPUs (kernels/cpu_ops.c) against torch's own
+sequence of operations, and the model layers that use them."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from batchinfer import LLM, SamplingParams
+from batchinfer.kernels import cpu_build, cpu_ops
+
+
+@pytest.fixture(scope="module")
+def ops():
+    loaded = cpu_ops.load()
+    if loaded is None:
+        assert shutil.which("gcc") is None or cpu_build.torch_openmp_runtime() is None, \
+            "gcc and torch's libgomp are here, yet the CPU ops did not build"
+        pytest.skip("no gcc or no libgomp here: the C ops cannot be built")
+    return loaded
+
+
+def torch_rms_norm(x, weight, eps):
+    """transformers' LlamaRMSNorm for a bfloat16 input."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("shape", [(1, 16), (37, 576), (2, 9, 1536)])
+def test_silu_mul_gives_torchs_bits(ops, shape):
+    gen = torch.Generator().manual_seed(shape[-1])
+    gate = (torch.randn(shape, generator=gen) * 6).bfloat16()
+    up = torch.randn(shape, generator=gen).bfloat16()
+    gate.view(-1)[:4] = torch.tensor([0.0, -0.0, 90.0, -90.0])  # zero and both exp clamps
+    expected = F.silu(gate).mul(up)
+    out = ops.silu_mul_(gate.clone(), up)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (300, 576), (2, 7, 256)])
+def test_rms_norm_matches_transformers(ops, shape):
+    gen = torch.Generator().manual_seed(shape[-1])
+    x = (torch.randn(shape, generator=gen) * 4).bfloat16()
+    weight = torch.randn(shape[-1], generator=gen).bfloat16()
+    expected = torch_rms_norm(x, weight, 1e-5)
+    out = ops.rms_norm(x, weight, 1e-5)
+    # the float32 sum of squares adds in another order: at most a rare last-place difference
+    differ = out != expected
+    assert differ.float().mean() < 1e-3
+    ulp = (expected.float().abs() * 2 ** -7).clamp(min=1e-30)
+    assert ((out.float() - expected.float()).abs()[differ] <= ulp[differ]).all()
+
+
+def test_only_contiguous_bfloat16_cpu_tensors_with_16_multiple_rows(ops):
+    assert cpu_ops.for_tensor(torch.zeros(4, 32, dtype=torch.bfloat16)) is ops
+    assert cpu_ops.for_tensor(torch.zeros(4, 32)) is None                      # float32
+    assert cpu_ops.for_tensor(torch.zeros(4, 40, dtype=torch.bfloat16)) is None  # 40 % 16
+    assert cpu_ops.for_tensor(torch.zeros(4, 64, dtype=torch.bfloat16)[:, :32]) is None
+    with pytest.raises(ValueError, match="out of contract"):
+        ops.rms_norm(torch.zeros(4, 32, dtype=torch.bfloat16), torch.zeros(16, dtype=torch.bfloat16), 1e-6)
+
+
+def test_bfloat16_engine_output_with_and_without_the_ops(llama_dir, monkeypatch):
+    prompts = ["The quick brown fox", "Batch inference on a CPU", "a b c d e f g"]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with_ops = [o.outputs[0].token_ids
+                for o in LLM(model=str(llama_dir), dtype="bfloat16").generate(prompts, params)]
+    monkeypatch.setattr(cpu_ops, "_loaded", {"ops": None})
+    without = [o.outputs[0].token_ids
+               for o in LLM(model=str(llama_dir), dtype="bfloat16").generate(prompts, params)]
+    assert with_ops == without
