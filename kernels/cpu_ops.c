@@ -49,6 +49,7 @@ void rms_norm_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *out, int
         }
         const float inv = 1.0f / sqrtf(hsum(acc) / (float)n + eps);
         for (int64_t i = 0; i < n; i += 16)
-            store_bf16(out + r * n + i, load_bf16(weight + i) * round_bf16(load_bf16(row + i) * inv));
+            store_bf16(out + r * n + i,
+                       load_bf16(weight + i) * round_bf16(load_bf16(row + i) * inv));
     }
 }

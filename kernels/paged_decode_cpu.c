@@ -1,6 +1,6 @@
 /* Paged decode attention for CPUs: one query token per sequence, keys and values read in
- * place from the paged cache, with no gather and no padding. batchinfer/kernels/cpu_decode.py
- * compiles it on first use with the host C compiler and calls it through ctypes.
+ * place from the paged cache, with no gather and no padding. kernels/cpu_build.py compiles
+ * it on first use; kernels/cpu_decode.py checks the arguments and calls it through ctypes.
  *
  * Cache layout: [num_blocks, block_size, num_kv_heads, head_dim]. Sequence t's key at
  * position p is row p % block_size of block block_tables[t, p / block_size]; the sequence
@@ -11,7 +11,9 @@
  * products are summed along head_dim as 16-lane partials, and the 16 partial vectors are
  * reduced together by a transpose-add tree into one vector of 16 scores. Softmax is online
  * (running max and sum per query row) with a vectorised exp. Accumulation and the
- * log-sum-exp are float32 for float32 and bfloat16 caches alike.
+ * log-sum-exp are float32 for float32 and bfloat16 caches alike. Float32 chunks are walked
+ * one query row at a time (accumulators stay in registers); bfloat16 chunks key by key, so
+ * that each key row is widened to float32 once for all the query rows that read it.
  *
  * Written with GCC/Clang vector extensions rather than intrinsics, so the compiler maps
  * them to whatever the host has (AVX-512, AVX2, NEON). The OpenMP loop runs on the OpenMP
@@ -76,6 +78,26 @@ static inline int64_t chunk_len(int64_t j0, int64_t end, int64_t block_size) {
     return n < end - j0 ? n : end - j0;
 }
 
+/* One row's online-softmax step over a chunk: part holds the 16 keys' partial dot products
+ * (lanes past the chunk's end must be 0 and are masked to weight 0). Updates the running
+ * max m and per-lane sum l, rescales the accumulators acc[0..nc), and returns the keys'
+ * weights. */
+static inline __attribute__((always_inline)) f32x16 softmax_step(
+        f32x16 *part, i32x16 valid, f32x16 *m, f32x16 *l, f32x16 *acc, int64_t nc) {
+    f32x16 s = transpose_sum16(part);
+    s = (f32x16)(((i32x16)s & valid) | ((i32x16)((f32x16){0} - INFINITY) & ~valid));
+    const f32x16 m_new = vmax(*m, max_all(s));
+    const f32x16 corr = vexp(*m - m_new);
+    const f32x16 e = (f32x16)((i32x16)vexp(s - m_new) & valid);
+    *m = m_new;
+    if (corr[0] != 1.f) {
+        *l *= corr;
+        for (int64_t c = 0; c < nc; c++) acc[c] *= corr;
+    }
+    *l += e;
+    return e;
+}
+
 /* One work item: sequence t, KV heads [h0, h0 + nh). */
 static inline __attribute__((always_inline)) void decode_item(
         const void *q, int64_t q_token_stride, const void *k_cache, const void *v_cache,
@@ -85,7 +107,7 @@ static inline __attribute__((always_inline)) void decode_item(
     const int64_t nc = head_dim / 16, key_stride = num_kv_heads * head_dim, rows = nh * group;
     const int64_t span = nh * head_dim * (bf16 ? 2 : 4);  /* bytes of one key row we read */
     const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    f32x16 qv[MAX_ROWS][MAX_CHUNKS], acc[MAX_ROWS][MAX_CHUNKS], part[MAX_ROWS][16], p[MAX_ROWS];
+    f32x16 qv[MAX_ROWS][MAX_CHUNKS], acc[MAX_ROWS][MAX_CHUNKS];
     /* per row: running max (the same in every lane) and running sum (per lane) */
     f32x16 m[MAX_ROWS], l[MAX_ROWS];
     const int64_t q0 = t * q_token_stride + h0 * group * head_dim;
@@ -110,49 +132,58 @@ static inline __attribute__((always_inline)) void decode_item(
             prefetch_rows(k_cache, next, n1, key_stride, span, bf16);
             prefetch_rows(v_cache, next, n1, key_stride, span, bf16);
         }
-        /* scores: 16-lane partial dot products per key, then one transpose-add per row */
-        for (int64_t j = 0; j < n; j++) {
-            for (int64_t hh = 0; hh < nh; hh++) {
-                f32x16 kv[MAX_CHUNKS];
-                for (int64_t c = 0; c < nc; c++)
-                    kv[c] = load16(k_cache, base + j * key_stride + hh * head_dim + c * 16, bf16);
-                for (int64_t g = 0; g < group; g++) {
-                    const int64_t r = hh * group + g;
-                    f32x16 x = qv[r][0] * kv[0];
-                    for (int64_t c = 1; c < nc; c++) x += qv[r][c] * kv[c];
-                    part[r][j] = x;
+        if (!bf16) {
+            /* float32: one query row at a time, its q and accumulators in registers; the
+             * chunk's rows stay in L1 after the first query row has read them */
+            const float *kf = (const float *)k_cache + base, *vf = (const float *)v_cache + base;
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t hoff = (r / group) * head_dim;
+                f32x16 qr[MAX_CHUNKS], a[MAX_CHUNKS], part[16];
+                for (int64_t c = 0; c < nc; c++) qr[c] = qv[r][c], a[c] = acc[r][c];
+                for (int64_t j = 0; j < 16; j++) {
+                    f32x16 x = {0};
+                    if (j < n)
+                        for (int64_t c = 0; c < nc; c++)
+                            x += qr[c] * load_f32(kf + j * key_stride + hoff + c * 16);
+                    part[j] = x;
                 }
+                const f32x16 e = softmax_step(part, valid, &m[r], &l[r], a, nc);
+                for (int64_t j = 0; j < n; j++)
+                    for (int64_t c = 0; c < nc; c++)
+                        a[c] += e[j] * load_f32(vf + j * key_stride + hoff + c * 16);
+                for (int64_t c = 0; c < nc; c++) acc[r][c] = a[c];
             }
-        }
-        /* online softmax: lanes past the chunk's end score -inf and weigh 0 */
-        for (int64_t r = 0; r < rows; r++) {
-            for (int64_t j = n; j < 16; j++) part[r][j] = (f32x16){0};
-            f32x16 s = transpose_sum16(part[r]);
-            s = (f32x16)(((i32x16)s & valid) | ((i32x16)((f32x16){0} - INFINITY) & ~valid));
-            const f32x16 m_new = vmax(m[r], max_all(s));
-            const f32x16 corr = vexp(m[r] - m_new);
-            f32x16 e = vexp(s - m_new);
-            e = (f32x16)((i32x16)e & valid);
-            m[r] = m_new;
-            if (corr[0] != 1.f) {
-                l[r] *= corr;
-                for (int64_t c = 0; c < nc; c++) acc[r][c] *= corr;
-            }
-            l[r] += e;
-            p[r] = e;
-        }
-        /* values: acc += weight * v, key by key */
-        for (int64_t j = 0; j < n; j++) {
-            for (int64_t hh = 0; hh < nh; hh++) {
-                f32x16 vv[MAX_CHUNKS];
-                for (int64_t c = 0; c < nc; c++)
-                    vv[c] = load16(v_cache, base + j * key_stride + hh * head_dim + c * 16, bf16);
-                for (int64_t g = 0; g < group; g++) {
-                    const int64_t r = hh * group + g;
-                    const float w = p[r][j];
-                    for (int64_t c = 0; c < nc; c++) acc[r][c] += w * vv[c];
+        } else {
+            /* bfloat16: each key row is widened once and used by all its query rows */
+            f32x16 part[MAX_ROWS][16], p[MAX_ROWS];
+            for (int64_t j = 0; j < n; j++)
+                for (int64_t hh = 0; hh < nh; hh++) {
+                    f32x16 kv[MAX_CHUNKS];
+                    for (int64_t c = 0; c < nc; c++)
+                        kv[c] = load16(k_cache, base + j * key_stride + hh * head_dim + c * 16,
+                                       bf16);
+                    for (int64_t g = 0; g < group; g++) {
+                        const int64_t r = hh * group + g;
+                        f32x16 x = qv[r][0] * kv[0];
+                        for (int64_t c = 1; c < nc; c++) x += qv[r][c] * kv[c];
+                        part[r][j] = x;
+                    }
                 }
+            for (int64_t r = 0; r < rows; r++) {
+                for (int64_t j = n; j < 16; j++) part[r][j] = (f32x16){0};
+                p[r] = softmax_step(part[r], valid, &m[r], &l[r], acc[r], nc);
             }
+            for (int64_t j = 0; j < n; j++)
+                for (int64_t hh = 0; hh < nh; hh++) {
+                    f32x16 vv[MAX_CHUNKS];
+                    for (int64_t c = 0; c < nc; c++)
+                        vv[c] = load16(v_cache, base + j * key_stride + hh * head_dim + c * 16,
+                                       bf16);
+                    for (int64_t g = 0; g < group; g++) {
+                        const int64_t r = hh * group + g;
+                        for (int64_t c = 0; c < nc; c++) acc[r][c] += p[r][j] * vv[c];
+                    }
+                }
         }
         j0 += n;
     }
