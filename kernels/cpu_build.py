@@ -6,6 +6,8 @@ would keep its own threads spinning while torch's run. The library is cached und
 cache root's kernels/ (batchinfer.paths; by default ~/.cache/batchinfer/kernels), keyed by
 the sources, the compiler, its flags and the CPU, so nodes of a cluster that share a home
 directory never load each other's builds; concurrent builders never see a half-written one.
+A read-only cache root (a shared home on a cluster) sends the build to a per-user
+directory under the system's temp dir instead.
 
 Everything here is optional: without gcc, when torch's OpenMP runtime is not libgomp, or
 with BATCHINFER_CPU_KERNELS=0, build() returns None (with one warning) and the callers keep
@@ -121,9 +123,15 @@ def _build(source: Path) -> Path | None:
         key = hashlib.sha256("\0".join(
             [source.read_text(), *(h.read_text() for h in headers), *compiler, version,
              " ".join(_flags()), runtime, _cpu_identity()]).encode()).hexdigest()[:20]
-        target = cache_root() / "kernels" / f"{source.stem}-{key}.so"
+        name = f"{source.stem}-{key}.so"
+        target = cache_root() / "kernels" / name
         if not target.is_file():
-            _compile(compiler, source, runtime, target)
+            try:
+                _compile(compiler, source, runtime, target)
+            except PermissionError:  # a read-only cache (a shared home on a cluster)
+                target = Path(tempfile.gettempdir()) / f"batchinfer-kernels-{os.getuid()}" / name
+                if not target.is_file():
+                    _compile(compiler, source, runtime, target)
         return target
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("%s could not be built (%s); the torch path runs instead", what, e)

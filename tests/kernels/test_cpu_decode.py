@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import tempfile
 
 import pytest
 import torch
@@ -177,3 +178,18 @@ def test_builds_into_the_cache_dir_once(fresh_loader, kernel):
     cpu_build._built.clear()
     assert cpu_decode.load().path == first.path  # found again, not rebuilt elsewhere
     assert len(list((fresh_loader / "kernels").iterdir())) == 1
+
+
+def test_a_read_only_cache_builds_in_the_temp_dir(fresh_loader, kernel, monkeypatch, tmp_path):
+    real_compile = cpu_build._compile
+
+    def compile_where_writable(compiler, source, runtime, target):
+        if fresh_loader / "kernels" in target.parents:  # the cache root refuses writes
+            raise PermissionError(13, "Permission denied", str(target.parent))
+        real_compile(compiler, source, runtime, target)
+
+    monkeypatch.setattr(cpu_build, "_compile", compile_where_writable)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    built = cpu_decode.load()
+    assert built is not None and (tmp_path / "tmp") in built.path.parents
