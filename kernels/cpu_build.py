@@ -24,7 +24,9 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -33,10 +35,12 @@ from batchinfer.paths import cache_root
 log = logging.getLogger(__name__)
 
 ENV_SWITCH = "BATCHINFER_CPU_KERNELS"
+T = TypeVar("T")
 HERE = Path(__file__).parent
 
 _lock = threading.Lock()
-_built: dict[Path, Path | None] = {}
+_built: dict[Path, Path | None] = {}      # source -> its library, or None
+_loaded: dict[Path, object] = {}          # source -> what load() made of its library
 
 
 def switched_off() -> bool:
@@ -99,6 +103,23 @@ def build(source: Path) -> Path | None:
         if source not in _built:
             _built[source] = None if switched_off() else _build(source)
         return _built[source]
+
+
+def load(source: Path, wrap: Callable[[Path], T]) -> T | None:
+    """wrap(library built from source), made once per process; None when the library cannot
+    be built or loaded here (with one warning), or C kernels are switched off."""
+    if source in _loaded:  # the per-call path of the model's layers: no lock, no build
+        return _loaded[source]
+    path = build(source)
+    with _lock:
+        if source not in _loaded:
+            try:
+                _loaded[source] = wrap(path) if path is not None else None
+            except (OSError, AttributeError) as e:  # unloadable, or missing entry points
+                log.warning("CPU kernel %s could not be loaded (%s); the torch path runs "
+                            "instead", source.name, e)
+                _loaded[source] = None
+        return _loaded[source]
 
 
 def _build(source: Path) -> Path | None:

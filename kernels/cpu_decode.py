@@ -9,15 +9,11 @@ cpu_build.py), load() returns None and the torch path runs instead.
 from __future__ import annotations
 
 import ctypes
-import logging
-import threading
 from pathlib import Path
 
 import torch
 
 from . import cpu_build
-
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode_cpu.c")
 MAX_GROUP = 16          # query heads per KV head (paged_decode_cpu.c: MAX_GROUP)
@@ -105,25 +101,6 @@ class CpuDecodeKernel:
             raise ValueError(f"cpu decode kernel rejected group={group} head_dim={head_dim}")
 
 
-_lock = threading.Lock()
-_loaded: dict[str, CpuDecodeKernel | None] = {}
-
-
 def load() -> CpuDecodeKernel | None:
-    """The kernel, built on first use; None (with one log line saying why) when it cannot
-    be built here or is switched off."""
-    with _lock:
-        if "kernel" not in _loaded:
-            _loaded["kernel"] = _load()
-        return _loaded["kernel"]
-
-
-def _load() -> CpuDecodeKernel | None:
-    path = cpu_build.build(SOURCE)
-    if path is None:
-        return None
-    try:
-        return CpuDecodeKernel(path)
-    except (OSError, AttributeError) as e:  # a library without the expected entry points
-        log.warning("CPU decode kernel could not be loaded (%s); the torch path runs instead", e)
-        return None
+    """The kernel, built on first use; None when it cannot be built here or is switched off."""
+    return cpu_build.load(SOURCE, CpuDecodeKernel)

@@ -10,15 +10,11 @@ returns None and the model keeps to torch.
 from __future__ import annotations
 
 import ctypes
-import logging
-import threading
 from pathlib import Path
 
 import torch
 
 from . import cpu_build
-
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
 
@@ -59,21 +55,9 @@ class CpuOps:
         return gate
 
 
-_lock = threading.Lock()
-_loaded: dict[str, CpuOps | None] = {}
-
-
 def load() -> CpuOps | None:
     """The ops, built on first use; None when they cannot be built here or are switched off."""
-    with _lock:
-        if "ops" not in _loaded:
-            path = cpu_build.build(SOURCE)
-            try:
-                _loaded["ops"] = CpuOps(path) if path is not None else None
-            except (OSError, AttributeError) as e:
-                log.warning("CPU ops could not be loaded (%s); the torch path runs instead", e)
-                _loaded["ops"] = None
-        return _loaded["ops"]
+    return cpu_build.load(SOURCE, CpuOps)
 
 
 def for_tensor(x: torch.Tensor) -> CpuOps | None:

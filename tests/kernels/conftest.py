@@ -3,12 +3,14 @@ interpreter when there is no CUDA, before any kernel module is imported)."""
 from __future__ import annotations
 
 import functools
+import shutil
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from batchinfer.attention.metadata import AttentionMetadata
+from batchinfer.kernels import cpu_build
 
 # On a CUDA machine the kernels run compiled on the GPU, elsewhere under the interpreter.
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -76,3 +78,16 @@ def paged_batch():
 @pytest.fixture
 def device() -> torch.device:
     return DEVICE
+
+
+@pytest.fixture(scope="session")
+def built_or_skip():
+    """For the C kernels on CPU: a loader's None skips the test only on a machine without
+    gcc or libgomp; elsewhere a kernel that stops compiling must fail, not fall back quietly."""
+    def check(loaded, what: str):
+        if loaded is None:
+            assert shutil.which("gcc") is None or cpu_build.torch_openmp_runtime() is None, \
+                f"gcc and torch's libgomp are here, yet {what} did not build"
+            pytest.skip(f"no gcc or no libgomp here: {what} cannot be built")
+        return loaded
+    return check
