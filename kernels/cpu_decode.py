@@ -17,10 +17,7 @@ from . import cpu_build
 
 SOURCE = Path(__file__).with_name("paged_decode_cpu.c")
 MAX_GROUP = 16          # query heads per KV head (paged_decode_cpu.c: MAX_GROUP)
-MAX_ROWS = 32           # query rows per work item (MAX_ROWS)
 MAX_HEAD_DIM = 256      # 16 * MAX_CHUNKS
-# Query rows x 16-lane chunks one work item keeps in registers and L1 (q, accumulators).
-ROW_CHUNK_BUDGET = 128
 
 
 class CpuDecodeKernel:
@@ -84,14 +81,9 @@ class CpuDecodeKernel:
                                      and lse.numel() == n * num_heads))):
             raise ValueError("cpu decode kernel: arguments out of contract")
         self._check_ranges(block_tables, lo, hi, n, num_blocks, block_size)
-        nc = head_dim // 16
-        # Whole rows of KV heads per work item when there are enough sequences to keep every
-        # thread busy; otherwise one KV head per item for more parallelism.
-        if n >= 4 * torch.get_num_threads():
-            heads_per_item = max(1, min(num_kv_heads, ROW_CHUNK_BUDGET // (group * nc),
-                                        MAX_ROWS // group))
-        else:
-            heads_per_item = 1
+        # All of a sequence's KV heads in one work item when there are enough sequences to
+        # keep every thread busy; otherwise one KV head per item for more parallelism.
+        heads_per_item = num_kv_heads if n >= 4 * torch.get_num_threads() else 1
         rc = self._fns[query.dtype](
             query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
             block_tables.data_ptr(), block_tables.stride(0), lo.data_ptr(), hi.data_ptr(),

@@ -6,14 +6,16 @@
  * position p is row p % block_size of block block_tables[t, p / block_size]; the sequence
  * attends to positions [lo[t], hi[t]). Query head h * group + g reads KV head h (GQA).
  *
- * A work item is one sequence and a run of its KV heads, so a key row is read as one
- * contiguous span. Keys are taken 16 at a time (never across a block): each key's dot
- * products are summed along head_dim as 16-lane partials, and the 16 partial vectors are
- * reduced together by a transpose-add tree into one vector of 16 scores. Softmax is online
- * (running max and sum per query row) with a vectorised exp. Accumulation and the
- * log-sum-exp are float32 for float32 and bfloat16 caches alike. Float32 chunks are walked
- * one query row at a time (accumulators stay in registers); bfloat16 chunks key by key, so
- * that each key row is widened to float32 once for all the query rows that read it.
+ * A work item is one sequence and a run of its KV heads. Each KV head's query rows walk its
+ * keys together, a few rows per pass, with the rows' queries, accumulators and softmax
+ * state in registers: the walk is compiled for each common head size and row count, so
+ * every loop bound is a constant. Each key row is loaded (and, for bfloat16, widened) once
+ * per pass. Keys are taken 16 at a time (never across a block): each key's dot products
+ * are summed along head_dim as 16-lane partials, and the 16 partial vectors are reduced
+ * together by a transpose-add tree into one vector of 16 scores. Softmax is online (running
+ * max and sum per query row) with a vectorised exp. Accumulation and the log-sum-exp are
+ * float32 for float32 and bfloat16 caches alike. The rows of the next chunk are requested
+ * before they are read, since a sequence's blocks lie anywhere in the cache.
  *
  * Written with GCC/Clang vector extensions rather than intrinsics, so the compiler maps
  * them to whatever the host has (AVX-512, AVX2, NEON). The OpenMP loop runs on the OpenMP
@@ -52,7 +54,8 @@ static inline f32x16 transpose_sum16(const f32x16 *x) {
          + SHUFFLE(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
-#define MAX_ROWS 32    /* query rows one work item carries (heads_per_item * group) */
+#define MAX_PASS 8     /* query rows walked together (their q and accumulators in registers) */
+#define PF_AHEAD 2     /* chunks of K/V rows requested ahead of the one being read */
 
 /* Elements are float32 (bf16 == 0) or bfloat16 (bf16 == 1); the functions below are
  * inlined with a constant flag, so each entry point compiles to its own straight code. */
@@ -98,108 +101,131 @@ static inline __attribute__((always_inline)) f32x16 softmax_step(
     return e;
 }
 
-/* One work item: sequence t, KV heads [h0, h0 + nh). */
+/* Query rows [r0, r0 + G) of sequence t, all reading KV head h, over keys [lo, hi). Inlined
+ * with constant nc (head_dim / 16) and G wherever a case exists for them (see walk()), so
+ * the rows' queries, accumulators and softmax state stay in registers for the whole walk
+ * and each key row is loaded (and widened) once for all G rows. */
+static inline __attribute__((always_inline)) void walk_rows(
+        const void *q, int64_t q0, const void *k_cache, const void *v_cache,
+        const int32_t *table, int64_t lo, int64_t hi, int64_t block_size, int64_t key_stride,
+        int64_t head_off, float scale, void *out, float *lse, int64_t o_row0,
+        const int64_t nc, const int64_t G, const int bf16) {
+    const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const int64_t head_dim = nc * 16, span = head_dim * (bf16 ? 2 : 4);
+    f32x16 qr[MAX_PASS * MAX_CHUNKS], a[MAX_PASS * MAX_CHUNKS], m[MAX_PASS], l[MAX_PASS];
+    for (int64_t g = 0; g < G; g++) {
+        for (int64_t c = 0; c < nc; c++) {
+            qr[g * nc + c] = load16(q, q0 + g * head_dim + c * 16, bf16) * scale;
+            a[g * nc + c] = (f32x16){0};
+        }
+        m[g] = (f32x16){0} - INFINITY;
+        l[g] = (f32x16){0};
+    }
+    int64_t pf = lo;
+    for (int64_t j0 = lo; j0 < hi;) {
+        const int64_t n = chunk_len(j0, hi, block_size);
+        const int64_t base = ((int64_t)table[j0 / block_size] * block_size + j0 % block_size)
+                             * key_stride + head_off;
+        const i32x16 valid = lane < (int32_t)n;
+        /* request the rows of this chunk and the next ahead of use: blocks lie anywhere in
+         * the cache, so the hardware prefetcher cannot follow a sequence across them */
+        for (; pf < hi && pf < j0 + PF_AHEAD * 16; ) {
+            const int64_t n1 = chunk_len(pf, hi, block_size);
+            const int64_t at = ((int64_t)table[pf / block_size] * block_size + pf % block_size)
+                               * key_stride + head_off;
+            prefetch_rows(k_cache, at, n1, key_stride, span, bf16);
+            prefetch_rows(v_cache, at, n1, key_stride, span, bf16);
+            pf += n1;
+        }
+        f32x16 part[MAX_PASS][16], p[MAX_PASS];
+        for (int64_t j = 0; j < 16; j++) {
+            if (j < n) {
+                f32x16 kv[MAX_CHUNKS];
+                for (int64_t c = 0; c < nc; c++)
+                    kv[c] = load16(k_cache, base + j * key_stride + c * 16, bf16);
+                for (int64_t g = 0; g < G; g++) {
+                    f32x16 x = qr[g * nc] * kv[0];
+                    for (int64_t c = 1; c < nc; c++) x += qr[g * nc + c] * kv[c];
+                    part[g][j] = x;
+                }
+            } else {
+                for (int64_t g = 0; g < G; g++) part[g][j] = (f32x16){0};
+            }
+        }
+        for (int64_t g = 0; g < G; g++)
+            p[g] = softmax_step(part[g], valid, &m[g], &l[g], a + g * nc, nc);
+        for (int64_t j = 0; j < n; j++) {
+            f32x16 vv[MAX_CHUNKS];
+            for (int64_t c = 0; c < nc; c++)
+                vv[c] = load16(v_cache, base + j * key_stride + c * 16, bf16);
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t c = 0; c < nc; c++) a[g * nc + c] += p[g][j] * vv[c];
+        }
+        j0 += n;
+    }
+    for (int64_t g = 0; g < G; g++) {
+        const float sum = hsum(l[g]);
+        const float inv = sum == 0.f ? 0.f : 1.f / sum;  /* 0 only for an empty range */
+        for (int64_t c = 0; c < nc; c++)
+            store16(out, (o_row0 + g) * head_dim + c * 16, a[g * nc + c] * inv, bf16);
+        if (lse) lse[o_row0 + g] = sum == 0.f ? -INFINITY : m[g][0] + logf(sum);
+    }
+}
+
+/* How many query rows to walk together for nc chunks per row: their queries and
+ * accumulators (2 * rows * nc vectors) must about fit in the 32 vector registers, or the
+ * spills cost more than reading the chunk once more from L1 (measured: twice as slow). */
+static inline int64_t pass_rows(int64_t nc) {
+    return nc <= 2 ? 4 : nc <= 4 ? 3 : nc <= 8 ? 2 : 1;
+}
+
+/* walk_rows with constant nc and G for the common head sizes (32, 64, 128, 256). */
+static inline __attribute__((always_inline)) void walk(
+        const void *q, int64_t q0, const void *k_cache, const void *v_cache,
+        const int32_t *table, int64_t lo, int64_t hi, int64_t block_size, int64_t key_stride,
+        int64_t head_off, float scale, void *out, float *lse, int64_t o_row0, int64_t nc,
+        int64_t rows, const int bf16) {
+#define WALK(NC, G) walk_rows(q, q0, k_cache, v_cache, table, lo, hi, block_size, \
+                              key_stride, head_off, scale, out, lse, o_row0, NC, G, bf16)
+    switch (nc * 16 + rows) {
+    case 2 * 16 + 1: WALK(2, 1); break;
+    case 2 * 16 + 2: WALK(2, 2); break;
+    case 2 * 16 + 3: WALK(2, 3); break;
+    case 2 * 16 + 4: WALK(2, 4); break;
+    case 4 * 16 + 1: WALK(4, 1); break;
+    case 4 * 16 + 2: WALK(4, 2); break;
+    case 4 * 16 + 3: WALK(4, 3); break;
+    case 8 * 16 + 1: WALK(8, 1); break;
+    case 8 * 16 + 2: WALK(8, 2); break;
+    case 16 * 16 + 1: WALK(16, 1); break;
+    default:  /* other head sizes: one row at a time, nc not constant */
+        for (int64_t g = 0; g < rows; g++)
+            walk_rows(q, q0 + g * nc * 16, k_cache, v_cache, table, lo, hi, block_size,
+                      key_stride, head_off, scale, out, lse, o_row0 + g, nc, 1, bf16);
+    }
+#undef WALK
+}
+
+/* One work item: sequence t, KV heads [h0, h0 + nh), each head's query rows in passes. */
 static inline __attribute__((always_inline)) void decode_item(
         const void *q, int64_t q_token_stride, const void *k_cache, const void *v_cache,
         const int32_t *table, int64_t lo, int64_t hi, int64_t t, int64_t h0, int64_t nh,
         int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
         float scale, void *out, float *lse, int bf16) {
-    const int64_t nc = head_dim / 16, key_stride = num_kv_heads * head_dim, rows = nh * group;
-    const int64_t span = nh * head_dim * (bf16 ? 2 : 4);  /* bytes of one key row we read */
-    const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    f32x16 qv[MAX_ROWS][MAX_CHUNKS], acc[MAX_ROWS][MAX_CHUNKS];
-    /* per row: running max (the same in every lane) and running sum (per lane) */
-    f32x16 m[MAX_ROWS], l[MAX_ROWS];
-    const int64_t q0 = t * q_token_stride + h0 * group * head_dim;
-    for (int64_t r = 0; r < rows; r++) {
-        for (int64_t c = 0; c < nc; c++) {
-            qv[r][c] = load16(q, q0 + r * head_dim + c * 16, bf16) * scale;
-            acc[r][c] = (f32x16){0};
+    const int64_t nc = head_dim / 16, key_stride = num_kv_heads * head_dim;
+    const int64_t per_pass = pass_rows(nc);
+    for (int64_t h = h0; h < h0 + nh; h++)
+        for (int64_t r0 = 0; r0 < group; r0 += per_pass) {
+            const int64_t rows = group - r0 < per_pass ? group - r0 : per_pass;
+            walk(q, t * q_token_stride + (h * group + r0) * head_dim, k_cache, v_cache, table,
+                 lo, hi, block_size, key_stride, h * head_dim, scale, out, lse,
+                 (t * num_kv_heads + h) * group + r0, nc, rows, bf16);
         }
-        m[r] = (f32x16){0} - INFINITY;
-        l[r] = (f32x16){0};
-    }
-    for (int64_t j0 = lo; j0 < hi;) {
-        const int64_t n = chunk_len(j0, hi, block_size);
-        const int64_t base = ((int64_t)table[j0 / block_size] * block_size + j0 % block_size)
-                             * key_stride + h0 * head_dim;
-        const i32x16 valid = lane < (int32_t)n;
-        if (j0 + n < hi) {  /* start loading the next chunk's rows */
-            const int64_t j1 = j0 + n;
-            const int64_t next = ((int64_t)table[j1 / block_size] * block_size + j1 % block_size)
-                                 * key_stride + h0 * head_dim;
-            const int64_t n1 = chunk_len(j1, hi, block_size);
-            prefetch_rows(k_cache, next, n1, key_stride, span, bf16);
-            prefetch_rows(v_cache, next, n1, key_stride, span, bf16);
-        }
-        if (!bf16) {
-            /* float32: one query row at a time, its q and accumulators in registers; the
-             * chunk's rows stay in L1 after the first query row has read them */
-            const float *kf = (const float *)k_cache + base, *vf = (const float *)v_cache + base;
-            for (int64_t r = 0; r < rows; r++) {
-                const int64_t hoff = (r / group) * head_dim;
-                f32x16 qr[MAX_CHUNKS], a[MAX_CHUNKS], part[16];
-                for (int64_t c = 0; c < nc; c++) qr[c] = qv[r][c], a[c] = acc[r][c];
-                for (int64_t j = 0; j < 16; j++) {
-                    f32x16 x = {0};
-                    if (j < n)
-                        for (int64_t c = 0; c < nc; c++)
-                            x += qr[c] * load_f32(kf + j * key_stride + hoff + c * 16);
-                    part[j] = x;
-                }
-                const f32x16 e = softmax_step(part, valid, &m[r], &l[r], a, nc);
-                for (int64_t j = 0; j < n; j++)
-                    for (int64_t c = 0; c < nc; c++)
-                        a[c] += e[j] * load_f32(vf + j * key_stride + hoff + c * 16);
-                for (int64_t c = 0; c < nc; c++) acc[r][c] = a[c];
-            }
-        } else {
-            /* bfloat16: each key row is widened once and used by all its query rows */
-            f32x16 part[MAX_ROWS][16], p[MAX_ROWS];
-            for (int64_t j = 0; j < n; j++)
-                for (int64_t hh = 0; hh < nh; hh++) {
-                    f32x16 kv[MAX_CHUNKS];
-                    for (int64_t c = 0; c < nc; c++)
-                        kv[c] = load16(k_cache, base + j * key_stride + hh * head_dim + c * 16,
-                                       bf16);
-                    for (int64_t g = 0; g < group; g++) {
-                        const int64_t r = hh * group + g;
-                        f32x16 x = qv[r][0] * kv[0];
-                        for (int64_t c = 1; c < nc; c++) x += qv[r][c] * kv[c];
-                        part[r][j] = x;
-                    }
-                }
-            for (int64_t r = 0; r < rows; r++) {
-                for (int64_t j = n; j < 16; j++) part[r][j] = (f32x16){0};
-                p[r] = softmax_step(part[r], valid, &m[r], &l[r], acc[r], nc);
-            }
-            for (int64_t j = 0; j < n; j++)
-                for (int64_t hh = 0; hh < nh; hh++) {
-                    f32x16 vv[MAX_CHUNKS];
-                    for (int64_t c = 0; c < nc; c++)
-                        vv[c] = load16(v_cache, base + j * key_stride + hh * head_dim + c * 16,
-                                       bf16);
-                    for (int64_t g = 0; g < group; g++) {
-                        const int64_t r = hh * group + g;
-                        for (int64_t c = 0; c < nc; c++) acc[r][c] += p[r][j] * vv[c];
-                    }
-                }
-        }
-        j0 += n;
-    }
-    const int64_t o0 = (t * num_kv_heads + h0) * group;
-    for (int64_t r = 0; r < rows; r++) {
-        const float sum = hsum(l[r]);
-        const float inv = sum == 0.f ? 0.f : 1.f / sum;  /* 0 only for an empty range */
-        for (int64_t c = 0; c < nc; c++)
-            store16(out, (o0 + r) * head_dim + c * 16, acc[r][c] * inv, bf16);
-        if (lse) lse[o0 + r] = sum == 0.f ? -INFINITY : m[r][0] + logf(sum);
-    }
 }
 
 static inline int unsupported(int64_t group, int64_t head_dim, int64_t heads_per_item) {
     return group < 1 || group > MAX_GROUP || head_dim % 16 || head_dim / 16 > MAX_CHUNKS
-        || heads_per_item < 1 || heads_per_item * group > MAX_ROWS;
+        || heads_per_item < 1;
 }
 
 /* Entry points, one per element type (each with its own parallel loop, so the element type
