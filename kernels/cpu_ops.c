@@ -13,13 +13,6 @@
 
 #include "cpu_vec.h"
 
-/* the value a bfloat16 tensor would hold: round to nearest even and widen again */
-static inline f32x16 round_bf16(f32x16 v) {
-    uint16_t h[16];
-    store_bf16(h, v);
-    return load_bf16(h);
-}
-
 /* out = silu(gate) * up over [rows, n] (n a multiple of 16), as torch computes
  * F.silu(gate) * up in bfloat16: silu in float32, rounded, then the product, rounded.
  * Rows are *_stride elements apart; out may be gate. */

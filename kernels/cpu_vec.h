@@ -35,6 +35,15 @@ static inline void store_bf16(uint16_t *p, f32x16 v) {  /* round to nearest even
     u16x16 h = __builtin_convertvector(r, u16x16); memcpy(p, &h, sizeof h);
 }
 
+/* the value a bfloat16 tensor would hold: store_bf16 and load_bf16 in registers */
+static inline f32x16 round_bf16(f32x16 v) {
+    u32x16 u; memcpy(&u, &v, sizeof u);
+    u32x16 nan = (u32x16)((u & 0x7fffffffu) > 0x7f800000u);
+    u32x16 r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    r = (r & ~nan) | ((u | 0x400000u) & 0xffff0000u & nan);
+    memcpy(&v, &r, sizeof v); return v;
+}
+
 static inline float hsum(f32x16 v) {
     float s = 0.f;
     for (int i = 0; i < 16; i++) s += v[i];

@@ -1,5 +1,6 @@
 """Attention backends behind one interface: forward(query, key, value, k_cache, v_cache,
-meta, scale, sliding_window). "auto" picks Triton on CUDA and the torch path on CPU."""
+meta, scale, sliding_window), which writes key and value to the cache first unless they are
+None (the model wrote them itself). "auto" picks Triton on CUDA and the torch path on CPU."""
 from __future__ import annotations
 
 import os

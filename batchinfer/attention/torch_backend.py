@@ -210,8 +210,10 @@ class TorchAttention:
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, sliding_window: int | None = None) -> torch.Tensor:
-        """query [T, H, D], key/value [T, Hkv, D] -> [T, H, D]; writes key/value first."""
-        write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        """query [T, H, D], key/value [T, Hkv, D] -> [T, H, D]; writes key/value first
+        (None: the caller has written them)."""
+        if key is not None:
+            write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         num_tokens, num_heads, head_dim = query.shape
         num_kv_heads = k_cache.shape[2]
         group = num_heads // num_kv_heads

@@ -20,12 +20,14 @@ class TritonAttention:
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, sliding_window: int | None = None) -> torch.Tensor:
-        """query [T, H, D], key/value [T, Hkv, D] -> [T, H, D]; writes key/value first.
+        """query [T, H, D], key/value [T, Hkv, D] -> [T, H, D]; writes key/value first
+        (None: the caller has written them).
 
         The step's prefill tile plan and split-KV partial buffers live in meta.cache, so
         every layer after the first reuses them.
         """
-        write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        if key is not None:
+            write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         nd = meta.num_decode_seqs
         if nd:

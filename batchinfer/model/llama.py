@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchinfer.attention import AttentionMetadata
-from batchinfer.kernels import cpu_ops
+from batchinfer.kernels import cpu_ops, cpu_rope
 from batchinfer.model import cpu_linear
 from batchinfer.model.parallel import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                                        RowParallelLinear, TensorParallel, VocabParallelEmbedding)
@@ -63,9 +63,15 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :self.num_heads]),
                             self.k_norm(qk[:, self.num_heads:])), dim=1)
-        # q and k rotated in one pass; both are views of its output
-        qk = apply_rotary(qk, *rope)
-        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        rope_write = cpu_rope.load() if qk.device.type == "cpu" else None
+        if rope_write is not None and rope_write.handles(qk):
+            # on CPU: q and k rotated, and k and v written to the cache, in one C pass
+            q = rope_write(qk, v, *rope, meta.slot_mapping, kv_cache[0], kv_cache[1])
+            k = v = None  # already in the cache
+        else:
+            # q and k rotated in one pass; both are views of its output
+            qk = apply_rotary(qk, *rope)
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
                                    self.sliding_window)
         return self.o_proj(out.reshape(-1, self.q_size))

@@ -1,0 +1,64 @@
+/* Rotary embedding and KV-cache write in one pass for CPUs: each token's q and k heads are
+ * rotated by its cos/sin, q goes to a new tensor, and k and v go straight to the token's
+ * cache slot. torch runs the same as about seven passes (products, negation, concatenation,
+ * sum, two index copies). kernels/cpu_rope.py builds this file on first use and calls it
+ * through ctypes.
+ *
+ * The arithmetic is torch's, rounding where it rounds: out = x * cos + rotate_half(x) * sin
+ * with each product and the sum rounded to the element type, so the bits match the model's
+ * torch path. For that the compiler must not fuse a product and the sum into one
+ * multiply-add (a single rounding), hence the pragma, which covers this file only.
+ */
+#pragma GCC optimize("fp-contract=off")
+
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu_vec.h"
+
+static inline f32x16 load16(const void *base, int64_t i, int bf16) {
+    return bf16 ? load_bf16((const uint16_t *)base + i) : load_f32((const float *)base + i);
+}
+static inline void store16(void *base, int64_t i, f32x16 v, int bf16) {
+    if (bf16) store_bf16((uint16_t *)base + i, v);
+    else store_f32((float *)base + i, v);
+}
+static inline f32x16 round_to(f32x16 v, int bf16) { return bf16 ? round_bf16(v) : v; }
+
+/* dst = x * cos + rotate_half(x) * sin for one head of head_dim elements (a multiple of
+ * 32), where rotate_half(x) = (-x[half:], x[:half]). */
+static inline __attribute__((always_inline)) void rotate(
+        const void *x, int64_t x0, const void *cos, const void *sin, int64_t c0, void *dst,
+        int64_t d0, int64_t head_dim, int bf16) {
+    const int64_t half = head_dim / 2;
+    for (int64_t i = 0; i < half; i += 16) {
+        const f32x16 x1 = load16(x, x0 + i, bf16), x2 = load16(x, x0 + half + i, bf16);
+        const f32x16 c1 = load16(cos, c0 + i, bf16), c2 = load16(cos, c0 + half + i, bf16);
+        const f32x16 s1 = load16(sin, c0 + i, bf16), s2 = load16(sin, c0 + half + i, bf16);
+        store16(dst, d0 + i, round_to(x1 * c1, bf16) + round_to(-x2 * s1, bf16), bf16);
+        store16(dst, d0 + half + i, round_to(x2 * c2, bf16) + round_to(x1 * s2, bf16), bf16);
+    }
+}
+
+/* qk [tokens, num_heads + num_kv_heads, head_dim] (rows qk_stride elements apart) and v
+ * [tokens, num_kv_heads, head_dim] (rows v_stride apart); cos/sin [tokens, head_dim]. Writes
+ * the rotated q heads to q_out [tokens, num_heads, head_dim], and the rotated k heads and v
+ * to row slots[t] of the caches ([slots, num_kv_heads, head_dim]). */
+#define ENTRY(NAME, T, BF16)                                                                  \
+void NAME(const T *qk, int64_t qk_stride, const T *v, int64_t v_stride, const T *cos,          \
+          const T *sin, const int64_t *slots, T *q_out, T *k_cache, T *v_cache,                \
+          int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {     \
+    const int64_t kv_row = num_kv_heads * head_dim;                                            \
+    _Pragma("omp parallel for schedule(static)")                                               \
+    for (int64_t t = 0; t < num_tokens; t++) {                                                 \
+        for (int64_t h = 0; h < num_heads; h++)                                                \
+            rotate(qk, t * qk_stride + h * head_dim, cos, sin, t * head_dim, q_out,            \
+                   (t * num_heads + h) * head_dim, head_dim, BF16);                            \
+        for (int64_t h = 0; h < num_kv_heads; h++)                                             \
+            rotate(qk, t * qk_stride + (num_heads + h) * head_dim, cos, sin, t * head_dim,     \
+                   k_cache, slots[t] * kv_row + h * head_dim, head_dim, BF16);                 \
+        memcpy(v_cache + slots[t] * kv_row, v + t * v_stride, kv_row * sizeof(T));             \
+    }                                                                                          \
+}
+ENTRY(rope_write_f32, float, 0)
+ENTRY(rope_write_bf16, uint16_t, 1)

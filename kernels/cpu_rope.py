@@ -1,0 +1,80 @@
+"""Rotary embedding plus KV-cache write in one C pass for CPUs (cpu_rope.c), built by
+cpu_build.py and called through ctypes.
+
+torch rotates q and k in about five passes and copies k and v into the cache in two more;
+this does it all in one, with torch's rounding (the same bits). It applies to float32 and
+bfloat16 tensors on the CPU whose head_dim is a multiple of 32; for anything else, or when
+the library cannot be built, load() gives None or handles() False, and the model keeps to
+torch.
+"""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from . import cpu_build
+
+SOURCE = Path(__file__).with_name("cpu_rope.c")
+
+
+class CpuRope:
+    def __init__(self, path: Path):
+        lib = ctypes.CDLL(str(path))
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._fns = {}
+        for dtype, name in ((torch.float32, "rope_write_f32"), (torch.bfloat16, "rope_write_bf16")):
+            fn = getattr(lib, name)
+            fn.argtypes = [p, i64, p, i64, p, p, p, p, p, p, i64, i64, i64, i64]
+            fn.restype = None
+            self._fns[dtype] = fn
+        self._checked: tuple[torch.Tensor, int] | None = None  # slot mapping last validated
+
+    def handles(self, qk: torch.Tensor) -> bool:
+        """qk [tokens, heads, head_dim] of a type and head size the C code takes."""
+        return (qk.device.type == "cpu" and qk.dtype in self._fns and qk.dim() == 3
+                and qk.shape[2] % 32 == 0)
+
+    def _check_slots(self, slots: torch.Tensor, num_slots: int) -> None:
+        """Every slot lies in the cache; the same mapping serves every layer of a step."""
+        if self._checked is not None and self._checked[0] is slots \
+                and self._checked[1] == num_slots:
+            return
+        if slots.numel() and not (int(slots.min()) >= 0 and int(slots.max()) < num_slots):
+            raise ValueError("cpu rope: slot mapping outside the cache")
+        self._checked = (slots, num_slots)
+
+    def __call__(self, qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Rotate qk [T, H + Hkv, D] by cos/sin [T, 1, D] (or [T, D]); write k (rotated) and
+        v [T, Hkv, D] to cache slots[t]; return q [T, H, D], rotated, contiguous."""
+        num_tokens, heads, head_dim = qk.shape
+        num_kv_heads = k_cache.shape[2]
+        num_heads = heads - num_kv_heads
+        dtype = qk.dtype
+        if not (self.handles(qk) and num_heads > 0
+                and all(t.device.type == "cpu" and t.dtype == dtype
+                        for t in (v, cos, sin, k_cache, v_cache))
+                and qk.stride(2) == 1 and qk.stride(1) == head_dim
+                and v.shape == (num_tokens, num_kv_heads, head_dim)
+                and v.stride(2) == 1 and v.stride(1) == head_dim
+                and cos.is_contiguous() and sin.is_contiguous()
+                and cos.numel() == sin.numel() == num_tokens * head_dim
+                and cos.shape[-1] == head_dim and cos.shape[0] == num_tokens
+                and k_cache.is_contiguous() and v_cache.is_contiguous()
+                and k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim
+                and slots.dtype == torch.int64 and slots.is_contiguous()
+                and slots.numel() == num_tokens and slots.device.type == "cpu"):
+            raise ValueError("cpu rope: arguments out of contract")
+        self._check_slots(slots, k_cache.shape[0] * k_cache.shape[1])
+        q = torch.empty(num_tokens, num_heads, head_dim, dtype=dtype)
+        self._fns[dtype](qk.data_ptr(), qk.stride(0), v.data_ptr(), v.stride(0), cos.data_ptr(),
+                         sin.data_ptr(), slots.data_ptr(), q.data_ptr(), k_cache.data_ptr(),
+                         v_cache.data_ptr(), num_tokens, num_heads, num_kv_heads, head_dim)
+        return q
+
+
+def load() -> CpuRope | None:
+    """The op, built on first use; None when it cannot be built here or is switched off."""
+    return cpu_build.load(SOURCE, CpuRope)
