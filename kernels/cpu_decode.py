@@ -32,7 +32,7 @@ class CpuDecodeKernel:
                             (torch.bfloat16, "paged_decode_bf16")):
             fn = getattr(lib, name)
             fn.argtypes = [p, i64, p, p, p, i64, p, p, i64, i64, i64, i64, i64, ctypes.c_float,
-                           p, p, i64]
+                           p, p, p, p, i64]
             fn.restype = ctypes.c_int
             self._fns[dtype] = fn
         self._checked: tuple[torch.Tensor, ...] | None = None  # last ranges validated
@@ -58,10 +58,13 @@ class CpuDecodeKernel:
 
     def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scale: float,
-                 out: torch.Tensor, lse: torch.Tensor | None) -> None:
+                 out: torch.Tensor, lse: torch.Tensor | None,
+                 init: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Attention of query [n, H, D] (one token per sequence; rows may be strided) over
         positions [lo[i], hi[i]) of sequence i. Writes out [n, H, D] (contiguous) and, when
-        given, lse [n, H] float32 (natural log-sum-exp of the scaled scores)."""
+        given, lse [n, H] float32 (natural log-sum-exp of the scaled scores). init, when
+        given, is (out, lse) of the same queries over other keys (shaped as out and lse),
+        and the result is their merge: attention over both sets of keys."""
         n, num_heads, head_dim = query.shape
         num_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
         group = num_heads // num_kv_heads
@@ -77,8 +80,12 @@ class CpuDecodeKernel:
                 and block_tables.shape[0] >= n
                 and lo.dtype == hi.dtype == torch.int32 and lo.is_contiguous()
                 and hi.is_contiguous() and lo.numel() == hi.numel() == n
-                and (lse is None or (lse.dtype == torch.float32 and lse.is_contiguous()
-                                     and lse.numel() == n * num_heads))):
+                and all(t is None or (t.dtype == torch.float32 and t.is_contiguous()
+                                      and t.numel() == n * num_heads)
+                        for t in (lse, init[1] if init else None))
+                and (init is None or (init[0].dtype == query.dtype and init[0].is_contiguous()
+                                      and init[0].shape == query.shape
+                                      and all(t.device.type == "cpu" for t in init)))):
             raise ValueError("cpu decode kernel: arguments out of contract")
         self._check_ranges(block_tables, lo, hi, n, num_blocks, block_size)
         # All of a sequence's KV heads in one work item when there are enough sequences to
@@ -88,7 +95,9 @@ class CpuDecodeKernel:
             query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
             block_tables.data_ptr(), block_tables.stride(0), lo.data_ptr(), hi.data_ptr(),
             n, num_kv_heads, group, head_dim, block_size, scale, out.data_ptr(),
-            lse.data_ptr() if lse is not None else None, heads_per_item)
+            lse.data_ptr() if lse is not None else None,
+            init[0].data_ptr() if init else None, init[1].data_ptr() if init else None,
+            heads_per_item)
         if rc != 0:
             raise ValueError(f"cpu decode kernel rejected group={group} head_dim={head_dim}")
 

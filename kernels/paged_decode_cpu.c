@@ -27,11 +27,16 @@
 
 #include "cpu_vec.h"
 
+/* Every helper is inlined: left to its own heuristics, GCC stopped inlining the prefetch
+ * helper into some of the specialised walks once they grew, and dropped their prefetches,
+ * which cost 20% on a cold cache. */
+#define INLINE static inline __attribute__((always_inline))
+
 #define MAX_GROUP 16   /* query heads per KV head */
 #define MAX_CHUNKS 16  /* head_dim / 16 */
 
 /* the maximum of v's lanes, in every lane (a butterfly: no serial chain of 16 steps) */
-static inline f32x16 max_all(f32x16 v) {
+INLINE f32x16 max_all(f32x16 v) {
     v = vmax(v, SHUFFLE(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
     v = vmax(v, SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
     v = vmax(v, SHUFFLE(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
@@ -39,7 +44,7 @@ static inline f32x16 max_all(f32x16 v) {
 }
 
 /* out[i] = sum of the 16 lanes of x[i], for 16 vectors, in 15 adds and 30 shuffles */
-static inline f32x16 transpose_sum16(const f32x16 *x) {
+INLINE f32x16 transpose_sum16(const f32x16 *x) {
     f32x16 a[8], b[4], c[2];
     for (int i = 0; i < 8; i++)
         a[i] = SHUFFLE(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
@@ -59,15 +64,15 @@ static inline f32x16 transpose_sum16(const f32x16 *x) {
 
 /* Elements are float32 (bf16 == 0) or bfloat16 (bf16 == 1); the functions below are
  * inlined with a constant flag, so each entry point compiles to its own straight code. */
-static inline f32x16 load16(const void *base, int64_t i, int bf16) {
+INLINE f32x16 load16(const void *base, int64_t i, int bf16) {
     return bf16 ? load_bf16((const uint16_t *)base + i) : load_f32((const float *)base + i);
 }
-static inline void store16(void *base, int64_t i, f32x16 v, int bf16) {
+INLINE void store16(void *base, int64_t i, f32x16 v, int bf16) {
     if (bf16) store_bf16((uint16_t *)base + i, v);
     else store_f32((float *)base + i, v);
 }
-static inline void prefetch_rows(const void *cache, int64_t first, int64_t rows,
-                                 int64_t row_stride, int64_t bytes, int bf16) {
+INLINE void prefetch_rows(const void *cache, int64_t first, int64_t rows, int64_t row_stride,
+                          int64_t bytes, int bf16) {
     const char *p = (const char *)cache + first * (bf16 ? 2 : 4);
     const int64_t stride = row_stride * (bf16 ? 2 : 4);
     for (int64_t j = 0; j < rows; j++)
@@ -75,7 +80,7 @@ static inline void prefetch_rows(const void *cache, int64_t first, int64_t rows,
 }
 
 /* Keys [j0, j0 + n) of a sequence lie in one block: the chunk starting at j0. */
-static inline int64_t chunk_len(int64_t j0, int64_t end, int64_t block_size) {
+INLINE int64_t chunk_len(int64_t j0, int64_t end, int64_t block_size) {
     int64_t n = block_size - j0 % block_size;
     if (n > 16) n = 16;
     return n < end - j0 ? n : end - j0;
@@ -85,7 +90,7 @@ static inline int64_t chunk_len(int64_t j0, int64_t end, int64_t block_size) {
  * (lanes past the chunk's end must be 0 and are masked to weight 0). Updates the running
  * max m and per-lane sum l, rescales the accumulators acc[0..nc), and returns the keys'
  * weights. */
-static inline __attribute__((always_inline)) f32x16 softmax_step(
+INLINE f32x16 softmax_step(
         f32x16 *part, i32x16 valid, f32x16 *m, f32x16 *l, f32x16 *acc, int64_t nc) {
     f32x16 s = transpose_sum16(part);
     s = (f32x16)(((i32x16)s & valid) | ((i32x16)((f32x16){0} - INFINITY) & ~valid));
@@ -104,22 +109,29 @@ static inline __attribute__((always_inline)) f32x16 softmax_step(
 /* Query rows [r0, r0 + G) of sequence t, all reading KV head h, over keys [lo, hi). Inlined
  * with constant nc (head_dim / 16) and G wherever a case exists for them (see walk()), so
  * the rows' queries, accumulators and softmax state stay in registers for the whole walk
- * and each key row is loaded (and widened) once for all G rows. */
-static inline __attribute__((always_inline)) void walk_rows(
+ * and each key row is loaded (and widened) once for all G rows. With init_lse, the walk
+ * starts from a partial result over other keys (init_out, its log-sum-exp) and so ends
+ * with their merge. */
+INLINE void walk_rows(
         const void *q, int64_t q0, const void *k_cache, const void *v_cache,
         const int32_t *table, int64_t lo, int64_t hi, int64_t block_size, int64_t key_stride,
-        int64_t head_off, float scale, void *out, float *lse, int64_t o_row0,
-        const int64_t nc, const int64_t G, const int bf16) {
+        int64_t head_off, float scale, void *out, float *lse, const void *init_out,
+        const float *init_lse, int64_t o_row0, const int64_t nc, const int64_t G,
+        const int bf16) {
     const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     const int64_t head_dim = nc * 16, span = head_dim * (bf16 ? 2 : 4);
     f32x16 qr[MAX_PASS * MAX_CHUNKS], a[MAX_PASS * MAX_CHUNKS], m[MAX_PASS], l[MAX_PASS];
     for (int64_t g = 0; g < G; g++) {
+        /* a partial result enters as its (normalised) output with weight 1 at its
+         * log-sum-exp; one over no keys (-inf) as nothing */
+        const float init = init_lse ? init_lse[o_row0 + g] : -INFINITY;
         for (int64_t c = 0; c < nc; c++) {
             qr[g * nc + c] = load16(q, q0 + g * head_dim + c * 16, bf16) * scale;
-            a[g * nc + c] = (f32x16){0};
+            a[g * nc + c] = init != -INFINITY
+                ? load16(init_out, (o_row0 + g) * head_dim + c * 16, bf16) : (f32x16){0};
         }
-        m[g] = (f32x16){0} - INFINITY;
-        l[g] = (f32x16){0};
+        m[g] = (f32x16){0} + init;
+        l[g] = init != -INFINITY ? (f32x16){1.f} : (f32x16){0};
     }
     int64_t pf = lo;
     for (int64_t j0 = lo; j0 < hi;) {
@@ -175,18 +187,18 @@ static inline __attribute__((always_inline)) void walk_rows(
 /* How many query rows to walk together for nc chunks per row: their queries and
  * accumulators (2 * rows * nc vectors) must about fit in the 32 vector registers, or the
  * spills cost more than reading the chunk once more from L1 (measured: twice as slow). */
-static inline int64_t pass_rows(int64_t nc) {
+INLINE int64_t pass_rows(int64_t nc) {
     return nc <= 2 ? 4 : nc <= 4 ? 3 : nc <= 8 ? 2 : 1;
 }
 
 /* walk_rows with constant nc and G for the common head sizes (32, 64, 128, 256). */
-static inline __attribute__((always_inline)) void walk(
+INLINE void walk(
         const void *q, int64_t q0, const void *k_cache, const void *v_cache,
         const int32_t *table, int64_t lo, int64_t hi, int64_t block_size, int64_t key_stride,
-        int64_t head_off, float scale, void *out, float *lse, int64_t o_row0, int64_t nc,
-        int64_t rows, const int bf16) {
-#define WALK(NC, G) walk_rows(q, q0, k_cache, v_cache, table, lo, hi, block_size, \
-                              key_stride, head_off, scale, out, lse, o_row0, NC, G, bf16)
+        int64_t head_off, float scale, void *out, float *lse, const void *init_out,
+        const float *init_lse, int64_t o_row0, int64_t nc, int64_t rows, const int bf16) {
+#define WALK(NC, G) walk_rows(q, q0, k_cache, v_cache, table, lo, hi, block_size, key_stride, \
+                              head_off, scale, out, lse, init_out, init_lse, o_row0, NC, G, bf16)
     switch (nc * 16 + rows) {
     case 2 * 16 + 1: WALK(2, 1); break;
     case 2 * 16 + 2: WALK(2, 2); break;
@@ -201,29 +213,31 @@ static inline __attribute__((always_inline)) void walk(
     default:  /* other head sizes: one row at a time, nc not constant */
         for (int64_t g = 0; g < rows; g++)
             walk_rows(q, q0 + g * nc * 16, k_cache, v_cache, table, lo, hi, block_size,
-                      key_stride, head_off, scale, out, lse, o_row0 + g, nc, 1, bf16);
+                      key_stride, head_off, scale, out, lse, init_out, init_lse, o_row0 + g,
+                      nc, 1, bf16);
     }
 #undef WALK
 }
 
 /* One work item: sequence t, KV heads [h0, h0 + nh), each head's query rows in passes. */
-static inline __attribute__((always_inline)) void decode_item(
+INLINE void decode_item(
         const void *q, int64_t q_token_stride, const void *k_cache, const void *v_cache,
         const int32_t *table, int64_t lo, int64_t hi, int64_t t, int64_t h0, int64_t nh,
         int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
-        float scale, void *out, float *lse, int bf16) {
+        float scale, void *out, float *lse, const void *init_out, const float *init_lse,
+        int bf16) {
     const int64_t nc = head_dim / 16, key_stride = num_kv_heads * head_dim;
     const int64_t per_pass = pass_rows(nc);
     for (int64_t h = h0; h < h0 + nh; h++)
         for (int64_t r0 = 0; r0 < group; r0 += per_pass) {
             const int64_t rows = group - r0 < per_pass ? group - r0 : per_pass;
             walk(q, t * q_token_stride + (h * group + r0) * head_dim, k_cache, v_cache, table,
-                 lo, hi, block_size, key_stride, h * head_dim, scale, out, lse,
-                 (t * num_kv_heads + h) * group + r0, nc, rows, bf16);
+                 lo, hi, block_size, key_stride, h * head_dim, scale, out, lse, init_out,
+                 init_lse, (t * num_kv_heads + h) * group + r0, nc, rows, bf16);
         }
 }
 
-static inline int unsupported(int64_t group, int64_t head_dim, int64_t heads_per_item) {
+INLINE int unsupported(int64_t group, int64_t head_dim, int64_t heads_per_item) {
     return group < 1 || group > MAX_GROUP || head_dim % 16 || head_dim / 16 > MAX_CHUNKS
         || heads_per_item < 1;
 }
@@ -231,13 +245,16 @@ static inline int unsupported(int64_t group, int64_t head_dim, int64_t heads_per
 /* Entry points, one per element type (each with its own parallel loop, so the element type
  * is a constant inside it). q [num_seqs, num_kv_heads * group, head_dim] with rows
  * q_token_stride elements apart; out contiguous in the same shape; lse (optional)
- * [num_seqs, heads]. Returns nonzero, touching nothing, for a shape it does not handle. */
+ * [num_seqs, heads]. init_out and init_lse (optional, both or neither; shaped as out and
+ * lse) are a partial result over other keys to merge with: a cascade's shared prefix.
+ * Returns nonzero, touching nothing, for a shape it does not handle. */
 #define ENTRY(NAME, T, BF16)                                                                  \
 int NAME(const T *q, int64_t q_token_stride, const T *k_cache, const T *v_cache,               \
          const int32_t *block_tables, int64_t bt_stride, const int32_t *lo, const int32_t *hi, \
          int64_t num_seqs, int64_t num_kv_heads, int64_t group, int64_t head_dim,              \
-         int64_t block_size, float scale, T *out, float *lse, int64_t heads_per_item) {        \
-    if (unsupported(group, head_dim, heads_per_item)) return 1;                               \
+         int64_t block_size, float scale, T *out, float *lse, const T *init_out,              \
+         const float *init_lse, int64_t heads_per_item) {                                     \
+    if (unsupported(group, head_dim, heads_per_item) || !init_out != !init_lse) return 1;     \
     const int64_t splits = (num_kv_heads + heads_per_item - 1) / heads_per_item;               \
     _Pragma("omp parallel for schedule(dynamic, 1)")                                           \
     for (int64_t item = 0; item < num_seqs * splits; item++) {                                 \
@@ -246,7 +263,7 @@ int NAME(const T *q, int64_t q_token_stride, const T *k_cache, const T *v_cache,
                                                               : heads_per_item;                \
         decode_item(q, q_token_stride, k_cache, v_cache, block_tables + t * bt_stride, lo[t],  \
                     hi[t], t, h0, nh, num_kv_heads, group, head_dim, block_size, scale, out,   \
-                    lse, BF16);                                                                \
+                    lse, init_out, init_lse, BF16);                                            \
     }                                                                                          \
     return 0;                                                                                  \
 }

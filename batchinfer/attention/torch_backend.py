@@ -10,7 +10,8 @@ needs no K/V expansion. Prefill chunks run one call each.
 Cascade: when sequences share leading blocks (a common system prompt) that lie wholly
 before all of their queries, those blocks are attended once for the whole batch — one
 dense product of every query row against the shared K/V — and only each sequence's own
-tail is gathered. The two partial results are merged by their log-sum-exp. That removes
+tail is gathered. The two partial results are merged by their log-sum-exp (the C decode
+kernel takes the shared result as its starting point and merges as it goes). That removes
 the shared part from every per-sequence copy, which on CPU is most of the cost.
 """
 from __future__ import annotations
@@ -232,18 +233,37 @@ class TorchAttention:
             v = v.view(*shape, num_kv_heads, head_dim)
             return k.to(query.dtype), v.to(query.dtype)
 
-        # own part, in [tokens, Hkv, group, D] layout
         q = query.view(num_tokens, num_kv_heads, group, head_dim)
         out_heads = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype,
                                 device=query.device)
-        out = out_heads.view(num_tokens, num_kv_heads, group, head_dim)
+        out = out_heads.view(num_tokens, num_kv_heads, group, head_dim)  # own part, per KV head
         lse = torch.empty(num_tokens, num_kv_heads, group, dtype=torch.float32,
                           device=query.device) if cascade else None
+
+        shared = shared_lse = None
+        if cascade:
+            # shared part: every query row of the batch in one product against the shared K/V
+            qs = q.permute(1, 0, 2, 3).reshape(1, num_kv_heads, num_tokens * group, head_dim)
+            ks = k_flat.index_select(0, plan.shared_slots).transpose(0, 1)[None].to(query.dtype)
+            vs = v_flat.index_select(0, plan.shared_slots).transpose(0, 1)[None].to(query.dtype)
+            shared, shared_lse = _attention_with_lse(qs, ks, vs, None, scale)
+            shared = shared.view(num_kv_heads, num_tokens, group, head_dim).transpose(0, 1)
+            shared_lse = shared_lse.view(num_kv_heads, num_tokens, group).transpose(0, 1)
+            if plan.token_not_member is not None:
+                shared_lse = shared_lse.masked_fill(plan.token_not_member[:, None, None],
+                                                    float("-inf"))
+
+        merged = 0  # tokens [0, merged) already hold the result over shared and own keys
         if plan.decode_bounds is not None:
             lo, hi = plan.decode_bounds
             nd = lo.numel()
+            init = None
+            if cascade:  # the kernel starts from the shared part's result and merges it
+                init = (shared[:nd].reshape(nd, num_heads, head_dim).contiguous(),
+                        shared_lse[:nd].reshape(nd, num_heads).contiguous())
             kernel(query[:nd], k_cache, v_cache, meta.block_tables, lo, hi, scale,
-                   out_heads[:nd], lse.view(num_tokens, num_heads)[:nd] if cascade else None)
+                   out_heads[:nd], None, init)
+            merged = nd
         for a, b, slots, width, mask in plan.decode_groups:
             k, v = gather(slots, (b - a, width))
             o, l = _attention_with_lse(q[a:b], k.transpose(1, 2), v.transpose(1, 2), mask, scale)
@@ -260,22 +280,13 @@ class TorchAttention:
             out_heads[start:end] = o[0].transpose(0, 1)
             if cascade:
                 lse[start:end] = l[0].transpose(0, 1).view(end - start, num_kv_heads, group)
-        if not cascade:
+        if not cascade or merged == num_tokens:
             return out_heads
 
-        # shared part: every query row of the batch in one product against the shared K/V
-        qs = q.permute(1, 0, 2, 3).reshape(1, num_kv_heads, num_tokens * group, head_dim)
-        ks = k_flat.index_select(0, plan.shared_slots).transpose(0, 1)[None].to(query.dtype)
-        vs = v_flat.index_select(0, plan.shared_slots).transpose(0, 1)[None].to(query.dtype)
-        shared, shared_lse = _attention_with_lse(qs, ks, vs, None, scale)
-        shared = shared.view(num_kv_heads, num_tokens, group, head_dim).transpose(0, 1)
-        shared_lse = shared_lse.view(num_kv_heads, num_tokens, group).transpose(0, 1)
-        if plan.token_not_member is not None:
-            shared_lse = shared_lse.masked_fill(plan.token_not_member[:, None, None], float("-inf"))
         # weights e^lse / (e^lse + e^shared_lse) = sigmoid(lse - shared_lse); every query
         # sees at least itself in its own part, so lse is finite. lerp computes in float32
         # and rounds once, so a weight rounded to the model's dtype costs at most about one
         # unit in the last place of the result, and skips two float32 copies.
-        own_weight = torch.sigmoid(lse - shared_lse)[..., None].to(query.dtype)
-        merged = torch.lerp(shared, out, own_weight)
-        return merged.reshape(num_tokens, num_heads, head_dim)
+        own_weight = torch.sigmoid(lse[merged:] - shared_lse[merged:])[..., None].to(query.dtype)
+        torch.lerp(shared[merged:], out[merged:], own_weight, out=out[merged:])
+        return out_heads

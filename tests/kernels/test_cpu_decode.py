@@ -80,6 +80,30 @@ def test_matches_reference(kernel, paged_batch, dtype, tol, num_kv_heads, group,
         torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+def test_merges_a_partial_result_over_other_keys(kernel, paged_batch, dtype, tol):
+    """init = (out, lse) over keys [0, mid): the result is attention over [0, hi), as when
+    a cascade's shared prefix is merged in; an init lse of -inf adds nothing."""
+    seq_lens = [33, 100, 257, 64, 17]
+    mid = [16, 37, 128, 0, 16]
+    batch = paged_batch(seq_lens, [1] * len(seq_lens), block_size=16, num_kv_heads=3,
+                        group=3, head_dim=64, dtype=dtype, device=CPU)
+    first_out, first_lse = run(kernel, batch, [0] * len(seq_lens), mid)
+    first_lse[3] = float("-inf")  # no keys before mid: the row's own part alone
+    n = len(seq_lens)
+    out = torch.empty_like(batch.query)
+    kernel(batch.query, batch.k_cache, batch.v_cache, batch.meta.block_tables[:n],
+           torch.tensor(mid, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32),
+           0.3, out, None, (first_out, first_lse))
+    ref_out, _ = reference(batch.query, batch.k_cache, batch.v_cache, batch.meta.block_tables,
+                           [0] * n, seq_lens, 0.3)
+    torch.testing.assert_close(out.double(), ref_out, atol=tol, rtol=tol)
+    with pytest.raises(ValueError, match="out of contract"):
+        kernel(batch.query, batch.k_cache, batch.v_cache, batch.meta.block_tables[:n],
+               torch.tensor(mid, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32),
+               0.3, out, None, (first_out, first_lse[:2]))
+
+
 @pytest.mark.parametrize("num_threads", [1, 2])
 @pytest.mark.parametrize("num_seqs", [3, 40])  # one KV head per work item / whole rows
 def test_work_split_and_threads(kernel, paged_batch, num_threads, num_seqs):
