@@ -29,12 +29,20 @@ void silu_mul_bf16(const uint16_t *gate, const uint16_t *up, uint16_t *out, int6
 
 /* out = weight * round(x * 1/sqrt(mean(x^2) + eps)) per row of [rows, n] (n a multiple of
  * 16), as transformers' RMSNorm computes it for bfloat16: the statistics and the scaling in
- * float32, rounded to bfloat16, then multiplied by the weight and rounded again. */
-void rms_norm_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *out, int64_t rows,
-                   int64_t n, float eps) {
+ * float32, rounded to bfloat16, then multiplied by the weight and rounded again. With a
+ * residual, x is first added to it (rounded, as torch's bfloat16 add), the sum is written
+ * back to residual and normalised in place of x. */
+void rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *weight,
+                   uint16_t *out, int64_t rows, int64_t n, float eps) {
     #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *row = x + r * n;
+        if (residual) {
+            uint16_t *sum = residual + r * n;
+            for (int64_t i = 0; i < n; i += 16)
+                store_bf16(sum + i, load_bf16(row + i) + load_bf16(sum + i));
+            row = sum;
+        }
         f32x16 acc = {0};
         for (int64_t i = 0; i < n; i += 16) {
             const f32x16 v = load_bf16(row + i);

@@ -1,9 +1,9 @@
 """Fused elementwise operations for bfloat16 models on CPUs (cpu_ops.c), built by
 cpu_build.py and called through ctypes.
 
-torch runs RMSNorm as about eight passes over memory and SiLU-times-up as two, each
-converting bfloat16 to float32 and back; these do each in one pass with torch's rounding
-(see cpu_ops.c). They apply to contiguous bfloat16 CPU tensors whose last dimension is a
+torch runs RMSNorm as about eight passes over memory (nine with the residual add before
+it) and SiLU-times-up as two, each converting bfloat16 to float32 and back; these do each
+in one pass with torch's rounding (see cpu_ops.c). They apply to contiguous bfloat16 CPU tensors whose last dimension is a
 multiple of 16; for anything else, or when the library cannot be built, for_tensor()
 returns None and the model keeps to torch.
 """
@@ -27,7 +27,7 @@ class CpuOps:
         self._silu_mul.argtypes = [p, p, p, i64, i64, i64, i64, i64]
         self._silu_mul.restype = None
         self._rms_norm = lib.rms_norm_bf16
-        self._rms_norm.argtypes = [p, p, p, i64, i64, ctypes.c_float]
+        self._rms_norm.argtypes = [p, p, p, p, i64, i64, ctypes.c_float]
         self._rms_norm.restype = None
 
     @staticmethod
@@ -35,14 +35,19 @@ class CpuOps:
         return (x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.dim() >= 1
                 and x.shape[-1] % 16 == 0 and x.is_contiguous())
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """weight * round(x / sqrt(mean(x^2) + eps)) over the last dimension."""
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+        """weight * round(x / sqrt(mean(x^2) + eps)) over the last dimension. With residual:
+        residual += x (in place, rounded as torch's add), and the sum is what is normalised."""
         if not (self.handles(x) and weight.dtype == x.dtype and weight.is_contiguous()
-                and weight.shape == x.shape[-1:] and weight.device.type == "cpu"):
+                and weight.shape == x.shape[-1:] and weight.device.type == "cpu"
+                and (residual is None or (self.handles(residual) and residual.shape == x.shape
+                                          and residual.data_ptr() != x.data_ptr()))):
             raise ValueError("cpu rms_norm: arguments out of contract")
         out = torch.empty_like(x)
         n = x.shape[-1]
-        self._rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // n, n, eps)
+        self._rms_norm(x.data_ptr(), residual.data_ptr() if residual is not None else None,
+                       weight.data_ptr(), out.data_ptr(), x.numel() // n, n, eps)
         return out
 
     def silu_mul_(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -25,10 +25,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with residual, (norm(x + residual), x + residual): the residual add
+        fused into the norm (residual may be updated in place)."""
         ops = cpu_ops.for_tensor(x)  # bfloat16 on CPU: one fused pass, same rounding
-        if ops is not None:
-            return ops.rms_norm(x, self.weight, self.eps)
+        if ops is not None and (residual is None or ops.handles(residual)):
+            out = ops.rms_norm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, residual)
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -119,9 +128,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, rope, hidden, meta, kv_cache):
-        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), meta, kv_cache)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, rope, hidden, residual, meta, kv_cache):
+        """(hidden, residual) -> the next pair: the stream is residual + hidden, each add
+        done inside the next norm (the first layer gets residual None)."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rope, hidden, meta, kv_cache)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class DecoderModel(nn.Module):
@@ -153,11 +170,11 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        hidden = self.model.embed_tokens(input_ids)
+        hidden, residual = self.model.embed_tokens(input_ids), None
         rope = self.model.rotary.lookup(positions)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden = layer(rope, hidden, meta, kv_cache)
-        return self.model.norm(hidden)
+            hidden, residual = layer(rope, hidden, residual, meta, kv_cache)
+        return self.model.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

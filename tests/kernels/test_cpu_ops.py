@@ -46,6 +46,21 @@ def test_rms_norm_matches_transformers(ops, shape):
     assert ((out.float() - expected.float()).abs()[differ] <= ulp[differ]).all()
 
 
+def test_rms_norm_with_the_residual_add_fused(ops):
+    gen = torch.Generator().manual_seed(7)
+    x = (torch.randn(300, 576, generator=gen) * 4).bfloat16()
+    residual = (torch.randn(300, 576, generator=gen) * 4).bfloat16()
+    weight = torch.randn(576, generator=gen).bfloat16()
+    summed = residual + x
+    expected = torch_rms_norm(summed, weight, 1e-5)
+    out = ops.rms_norm(x, weight, 1e-5, residual)
+    assert torch.equal(residual, summed)  # updated in place, torch's bfloat16 add
+    differ = out != expected
+    assert differ.float().mean() < 1e-3
+    with pytest.raises(ValueError, match="out of contract"):
+        ops.rms_norm(x, weight, 1e-5, x)  # the residual may not be x itself
+
+
 def test_only_contiguous_bfloat16_cpu_tensors_with_16_multiple_rows(ops):
     assert cpu_ops.for_tensor(torch.zeros(4, 32, dtype=torch.bfloat16)) is ops
     assert cpu_ops.for_tensor(torch.zeros(4, 32)) is None                      # float32
