@@ -27,20 +27,20 @@ static inline f32x16 load_bf16(const uint16_t *p) {
     u32x16 w = __builtin_convertvector(h, u32x16) << 16;
     f32x16 v; memcpy(&v, &w, sizeof v); return v;
 }
-static inline void store_bf16(uint16_t *p, f32x16 v) {  /* round to nearest even */
+/* v rounded to bfloat16 (nearest even; a NaN stays a quiet NaN), in each lane's high 16 bits */
+static inline u32x16 bf16_bits(f32x16 v) {
     u32x16 u; memcpy(&u, &v, sizeof u);
     u32x16 nan = (u32x16)((u & 0x7fffffffu) > 0x7f800000u);
-    u32x16 r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    r = (r & ~nan) | (((u >> 16) | 0x40u) & nan);
-    u16x16 h = __builtin_convertvector(r, u16x16); memcpy(p, &h, sizeof h);
+    u32x16 r = u + 0x7fffu + ((u >> 16) & 1u);
+    return (r & ~nan) | ((u | 0x400000u) & nan);
+}
+static inline void store_bf16(uint16_t *p, f32x16 v) {
+    u16x16 h = __builtin_convertvector(bf16_bits(v) >> 16, u16x16); memcpy(p, &h, sizeof h);
 }
 
 /* the value a bfloat16 tensor would hold: store_bf16 and load_bf16 in registers */
 static inline f32x16 round_bf16(f32x16 v) {
-    u32x16 u; memcpy(&u, &v, sizeof u);
-    u32x16 nan = (u32x16)((u & 0x7fffffffu) > 0x7f800000u);
-    u32x16 r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    r = (r & ~nan) | ((u | 0x400000u) & 0xffff0000u & nan);
+    u32x16 r = bf16_bits(v) & 0xffff0000u;
     memcpy(&v, &r, sizeof v); return v;
 }
 

@@ -14,8 +14,9 @@
  * are summed along head_dim as 16-lane partials, and the 16 partial vectors are reduced
  * together by a transpose-add tree into one vector of 16 scores. Softmax is online (running
  * max and sum per query row) with a vectorised exp. Accumulation and the log-sum-exp are
- * float32 for float32 and bfloat16 caches alike. The rows of the next chunk are requested
- * before they are read, since a sequence's blocks lie anywhere in the cache.
+ * float32 for float32 and bfloat16 caches alike; bfloat16 rows are widened 32 elements at a
+ * time, split into even and odd elements (see load_row). The rows of the next chunk are
+ * requested before they are read, since a sequence's blocks lie anywhere in the cache.
  *
  * Written with GCC/Clang vector extensions rather than intrinsics, so the compiler maps
  * them to whatever the host has (AVX-512, AVX2, NEON). The OpenMP loop runs on the OpenMP
@@ -71,6 +72,39 @@ INLINE void store16(void *base, int64_t i, f32x16 v, int bf16) {
     if (bf16) store_bf16((uint16_t *)base + i, v);
     else store_f32((float *)base + i, v);
 }
+
+/* One head row of nc * 16 elements as nc vectors. bfloat16 rows with an even nc are read
+ * 32 elements at a time and split into their even and odd elements (a shift and a mask,
+ * where widening in order takes a load, a conversion and a shift per 16): dst[2b] holds
+ * elements 32b, 32b + 2, ..., dst[2b + 1] elements 32b + 1, 32b + 3, .... q, k, v and the
+ * accumulators all use this order, so dot products and weighted sums are unchanged;
+ * store_row puts the elements back in place. */
+INLINE void load_row(const void *base, int64_t i, f32x16 *dst, int64_t nc, int bf16) {
+    if (bf16 && nc % 2 == 0) {
+        for (int64_t b = 0; b < nc / 2; b++) {
+            u32x16 w;
+            memcpy(&w, (const uint16_t *)base + i + 32 * b, sizeof w);
+            const u32x16 even = w << 16, odd = w & 0xffff0000u;
+            memcpy(&dst[2 * b], &even, sizeof even);
+            memcpy(&dst[2 * b + 1], &odd, sizeof odd);
+        }
+    } else {
+        for (int64_t c = 0; c < nc; c++) dst[c] = load16(base, i + 16 * c, bf16);
+    }
+}
+INLINE void store_row(void *base, int64_t i, const f32x16 *src, float scale, int64_t nc,
+                      int bf16) {
+    if (bf16 && nc % 2 == 0) {
+        for (int64_t b = 0; b < nc / 2; b++) {
+            const u32x16 even = bf16_bits(src[2 * b] * scale) >> 16;
+            const u32x16 odd = bf16_bits(src[2 * b + 1] * scale) & 0xffff0000u;
+            const u32x16 w = even | odd;
+            memcpy((uint16_t *)base + i + 32 * b, &w, sizeof w);
+        }
+    } else {
+        for (int64_t c = 0; c < nc; c++) store16(base, i + 16 * c, src[c] * scale, bf16);
+    }
+}
 INLINE void prefetch_rows(const void *cache, int64_t first, int64_t rows, int64_t row_stride,
                           int64_t bytes, int bf16) {
     const char *p = (const char *)cache + first * (bf16 ? 2 : 4);
@@ -125,11 +159,12 @@ INLINE void walk_rows(
         /* a partial result enters as its (normalised) output with weight 1 at its
          * log-sum-exp; one over no keys (-inf) as nothing */
         const float init = init_lse ? init_lse[o_row0 + g] : -INFINITY;
-        for (int64_t c = 0; c < nc; c++) {
-            qr[g * nc + c] = load16(q, q0 + g * head_dim + c * 16, bf16) * scale;
-            a[g * nc + c] = init != -INFINITY
-                ? load16(init_out, (o_row0 + g) * head_dim + c * 16, bf16) : (f32x16){0};
-        }
+        load_row(q, q0 + g * head_dim, qr + g * nc, nc, bf16);
+        for (int64_t c = 0; c < nc; c++) qr[g * nc + c] *= scale;
+        if (init != -INFINITY)
+            load_row(init_out, (o_row0 + g) * head_dim, a + g * nc, nc, bf16);
+        else
+            for (int64_t c = 0; c < nc; c++) a[g * nc + c] = (f32x16){0};
         m[g] = (f32x16){0} + init;
         l[g] = init != -INFINITY ? (f32x16){1.f} : (f32x16){0};
     }
@@ -153,8 +188,7 @@ INLINE void walk_rows(
         for (int64_t j = 0; j < 16; j++) {
             if (j < n) {
                 f32x16 kv[MAX_CHUNKS];
-                for (int64_t c = 0; c < nc; c++)
-                    kv[c] = load16(k_cache, base + j * key_stride + c * 16, bf16);
+                load_row(k_cache, base + j * key_stride, kv, nc, bf16);
                 for (int64_t g = 0; g < G; g++) {
                     f32x16 x = qr[g * nc] * kv[0];
                     for (int64_t c = 1; c < nc; c++) x += qr[g * nc + c] * kv[c];
@@ -168,8 +202,7 @@ INLINE void walk_rows(
             p[g] = softmax_step(part[g], valid, &m[g], &l[g], a + g * nc, nc);
         for (int64_t j = 0; j < n; j++) {
             f32x16 vv[MAX_CHUNKS];
-            for (int64_t c = 0; c < nc; c++)
-                vv[c] = load16(v_cache, base + j * key_stride + c * 16, bf16);
+            load_row(v_cache, base + j * key_stride, vv, nc, bf16);
             for (int64_t g = 0; g < G; g++)
                 for (int64_t c = 0; c < nc; c++) a[g * nc + c] += p[g][j] * vv[c];
         }
@@ -178,8 +211,7 @@ INLINE void walk_rows(
     for (int64_t g = 0; g < G; g++) {
         const float sum = hsum(l[g]);
         const float inv = sum == 0.f ? 0.f : 1.f / sum;  /* 0 only for an empty range */
-        for (int64_t c = 0; c < nc; c++)
-            store16(out, (o_row0 + g) * head_dim + c * 16, a[g * nc + c] * inv, bf16);
+        store_row(out, (o_row0 + g) * head_dim, a + g * nc, inv, nc, bf16);
         if (lse) lse[o_row0 + g] = sum == 0.f ? -INFINITY : m[g][0] + logf(sum);
     }
 }
@@ -197,8 +229,9 @@ INLINE void walk(
         const int32_t *table, int64_t lo, int64_t hi, int64_t block_size, int64_t key_stride,
         int64_t head_off, float scale, void *out, float *lse, const void *init_out,
         const float *init_lse, int64_t o_row0, int64_t nc, int64_t rows, const int bf16) {
-#define WALK(NC, G) walk_rows(q, q0, k_cache, v_cache, table, lo, hi, block_size, key_stride, \
-                              head_off, scale, out, lse, init_out, init_lse, o_row0, NC, G, bf16)
+#define WALK(NC, G) walk_rows(q, q0, k_cache, v_cache, table, lo, hi, block_size,      \
+                              key_stride, head_off, scale, out, lse, init_out, init_lse, \
+                              o_row0, NC, G, bf16)
     switch (nc * 16 + rows) {
     case 2 * 16 + 1: WALK(2, 1); break;
     case 2 * 16 + 2: WALK(2, 2); break;
