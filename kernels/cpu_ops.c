@@ -13,18 +13,29 @@
 
 #include "cpu_vec.h"
 
+/* Rows are walked 32 elements at a time as even and odd halves (load_bf16x2), with a last
+ * 16 in order when n is an odd multiple of 16. */
+
+static inline f32x16 silu_rounded(f32x16 g) { return round_bf16(g / (1.0f + vexp(-g))); }
+
 /* out = silu(gate) * up over [rows, n] (n a multiple of 16), as torch computes
  * F.silu(gate) * up in bfloat16: silu in float32, rounded, then the product, rounded.
  * Rows are *_stride elements apart; out may be gate. */
 void silu_mul_bf16(const uint16_t *gate, const uint16_t *up, uint16_t *out, int64_t rows,
                    int64_t n, int64_t gate_stride, int64_t up_stride, int64_t out_stride) {
     #pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t i = 0; i < n; i += 16) {
-            const f32x16 g = load_bf16(gate + r * gate_stride + i);
-            const f32x16 s = round_bf16(g / (1.0f + vexp(-g)));
-            store_bf16(out + r * out_stride + i, s * load_bf16(up + r * up_stride + i));
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = gate + r * gate_stride, *u = up + r * up_stride;
+        uint16_t *o = out + r * out_stride;
+        int64_t i = 0;
+        for (; i + 32 <= n; i += 32) {
+            f32x16 ge, go, ue, uo;
+            load_bf16x2(g + i, &ge, &go);
+            load_bf16x2(u + i, &ue, &uo);
+            store_bf16x2(o + i, silu_rounded(ge) * ue, silu_rounded(go) * uo);
         }
+        if (i < n) store_bf16(o + i, silu_rounded(load_bf16(g + i)) * load_bf16(u + i));
+    }
 }
 
 /* out = weight * round(x * 1/sqrt(mean(x^2) + eps)) per row of [rows, n] (n a multiple of
@@ -34,23 +45,40 @@ void silu_mul_bf16(const uint16_t *gate, const uint16_t *up, uint16_t *out, int6
  * back to residual and normalised in place of x. */
 void rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *weight,
                    uint16_t *out, int64_t rows, int64_t n, float eps) {
+    const int64_t n32 = n / 32 * 32;
     #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *row = x + r * n;
+        uint16_t *o = out + r * n;
+        f32x16 e, od, e2, o2;
         if (residual) {
             uint16_t *sum = residual + r * n;
-            for (int64_t i = 0; i < n; i += 16)
-                store_bf16(sum + i, load_bf16(row + i) + load_bf16(sum + i));
+            for (int64_t i = 0; i < n32; i += 32) {
+                load_bf16x2(row + i, &e, &od);
+                load_bf16x2(sum + i, &e2, &o2);
+                store_bf16x2(sum + i, e + e2, od + o2);
+            }
+            if (n32 < n) store_bf16(sum + n32, load_bf16(row + n32) + load_bf16(sum + n32));
             row = sum;
         }
         f32x16 acc = {0};
-        for (int64_t i = 0; i < n; i += 16) {
-            const f32x16 v = load_bf16(row + i);
+        for (int64_t i = 0; i < n32; i += 32) {
+            load_bf16x2(row + i, &e, &od);
+            acc += e * e + od * od;
+        }
+        if (n32 < n) {
+            const f32x16 v = load_bf16(row + n32);
             acc += v * v;
         }
         const float inv = 1.0f / sqrtf(hsum(acc) / (float)n + eps);
-        for (int64_t i = 0; i < n; i += 16)
-            store_bf16(out + r * n + i,
-                       load_bf16(weight + i) * round_bf16(load_bf16(row + i) * inv));
+        for (int64_t i = 0; i < n32; i += 32) {
+            load_bf16x2(row + i, &e, &od);
+            load_bf16x2(weight + i, &e2, &o2);
+            store_bf16x2(o + i, e2 * round_bf16(e * inv), o2 * round_bf16(od * inv));
+        }
+        if (n32 < n) {
+            const f32x16 v = round_bf16(load_bf16(row + n32) * inv);
+            store_bf16(o + n32, load_bf16(weight + n32) * v);
+        }
     }
 }

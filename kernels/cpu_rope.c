@@ -31,7 +31,25 @@ static inline __attribute__((always_inline)) void rotate(
         const void *x, int64_t x0, const void *cos, const void *sin, int64_t c0, void *dst,
         int64_t d0, int64_t head_dim, int bf16) {
     const int64_t half = head_dim / 2;
-    for (int64_t i = 0; i < half; i += 16) {
+    int64_t i = 0;
+    if (bf16)  /* 32 at a time as even and odd elements (load_bf16x2), then any last 16 */
+        for (; i + 32 <= half; i += 32) {
+            const uint16_t *xp = (const uint16_t *)x + x0, *cp = (const uint16_t *)cos + c0,
+                           *sp = (const uint16_t *)sin + c0;
+            uint16_t *dp = (uint16_t *)dst + d0;
+            f32x16 x1e, x1o, x2e, x2o, c1e, c1o, c2e, c2o, s1e, s1o, s2e, s2o;
+            load_bf16x2(xp + i, &x1e, &x1o);
+            load_bf16x2(xp + half + i, &x2e, &x2o);
+            load_bf16x2(cp + i, &c1e, &c1o);
+            load_bf16x2(cp + half + i, &c2e, &c2o);
+            load_bf16x2(sp + i, &s1e, &s1o);
+            load_bf16x2(sp + half + i, &s2e, &s2o);
+            store_bf16x2(dp + i, round_bf16(x1e * c1e) + round_bf16(-x2e * s1e),
+                         round_bf16(x1o * c1o) + round_bf16(-x2o * s1o));
+            store_bf16x2(dp + half + i, round_bf16(x2e * c2e) + round_bf16(x1e * s2e),
+                         round_bf16(x2o * c2o) + round_bf16(x1o * s2o));
+        }
+    for (; i < half; i += 16) {
         const f32x16 x1 = load16(x, x0 + i, bf16), x2 = load16(x, x0 + half + i, bf16);
         const f32x16 c1 = load16(cos, c0 + i, bf16), c2 = load16(cos, c0 + half + i, bf16);
         const f32x16 s1 = load16(sin, c0 + i, bf16), s2 = load16(sin, c0 + half + i, bf16);

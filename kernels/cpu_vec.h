@@ -38,6 +38,19 @@ static inline void store_bf16(uint16_t *p, f32x16 v) {
     u16x16 h = __builtin_convertvector(bf16_bits(v) >> 16, u16x16); memcpy(p, &h, sizeof h);
 }
 
+/* 32 bfloat16 values as their even (p[0], p[2], ...) and odd elements: a shift and a mask,
+ * where two load_bf16 take two loads, conversions and shifts. For elementwise work whose
+ * operands are all read this way and stored with store_bf16x2, the order does not matter. */
+static inline void load_bf16x2(const uint16_t *p, f32x16 *even, f32x16 *odd) {
+    u32x16 w; memcpy(&w, p, sizeof w);
+    const u32x16 e = w << 16, o = w & 0xffff0000u;
+    memcpy(even, &e, sizeof e); memcpy(odd, &o, sizeof o);
+}
+static inline void store_bf16x2(uint16_t *p, f32x16 even, f32x16 odd) {
+    const u32x16 w = (bf16_bits(even) >> 16) | (bf16_bits(odd) & 0xffff0000u);
+    memcpy(p, &w, sizeof w);
+}
+
 /* the value a bfloat16 tensor would hold: store_bf16 and load_bf16 in registers */
 static inline f32x16 round_bf16(f32x16 v) {
     u32x16 r = bf16_bits(v) & 0xffff0000u;
