@@ -42,13 +42,16 @@ def _slots(block_tables: np.ndarray, positions: np.ndarray, block_size: int) -> 
 _CPU_FLASH_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
 
-def _attention_with_lse(q, k, v, mask, scale):
+def _attention_with_lse(q, k, v, mask, scale, causal=False):
     """(out, logsumexp) of attention; q [B, H, L, D], k/v [B, Hkv, S, D] with H a multiple
-    of Hkv (query head h reads KV head h // (H / Hkv)), mask additive or None."""
+    of Hkv (query head h reads KV head h // (H / Hkv)), mask additive or None; causal (with
+    L == S and no mask): query i sees keys [0, i]."""
     if q.device.type == "cpu" and (k.shape[1] == q.shape[1] or _CPU_FLASH_GQA):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, False, attn_mask=mask, scale=scale)[:2]
+            q, k, v, 0.0, causal, attn_mask=mask, scale=scale)[:2]
         return out, lse
+    if causal:
+        mask = torch.full((q.shape[2], k.shape[2]), float("-inf"), device=q.device).triu(1)
     return _math_attention_with_lse(q, k, v, mask, scale)
 
 
@@ -81,7 +84,10 @@ class _StepPlan:
     token_not_member: torch.Tensor | None  # [num_tokens] bool: token's sequence skips it
     decode_groups: list[tuple[int, int, torch.Tensor, int, torch.Tensor]]  # a, b, slots, S, mask
     decode_bounds: tuple[torch.Tensor, torch.Tensor] | None  # kernel path: int32 lo, hi per decode
-    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]]           # start, end, slots, [tokens, keys] mask
+    prefill_slots: torch.Tensor | None     # every prefill chunk's own keys, one after another
+    # start, end (its tokens), k0, k1 (its keys in prefill_slots), [tokens, keys] additive
+    # mask or None when exactly causal (its keys are its own tokens, no window)
+    prefills: list[tuple[int, int, int, int, torch.Tensor | None]]
 
 
 class TorchAttention:
@@ -187,16 +193,20 @@ class TorchAttention:
             decode_groups.append((a, b, to_device(slots.reshape(-1)), width,
                                   additive(valid)[:, None, None, :]))
 
-        prefills = []
+        prefills, prefill_slots, k0 = [], [], 0
         for i in range(nd, n):
             start, end, seq_len = qsl[i], qsl[i + 1], int(lens[i])
             kpos = np.arange(own_start[i], seq_len)
-            qpos = np.arange(seq_len - (end - start), seq_len)
-            valid = kpos[None, :] <= qpos[:, None]
-            if window is not None:
-                valid &= kpos[None, :] > qpos[:, None] - window
-            slots = _slots(tables[i:i + 1], kpos[None, :], bs)[0]
-            prefills.append((start, end, to_device(slots), additive(valid)))
+            mask = None
+            if window is not None or len(kpos) != end - start:
+                qpos = np.arange(seq_len - (end - start), seq_len)
+                valid = kpos[None, :] <= qpos[:, None]
+                if window is not None:
+                    valid &= kpos[None, :] > qpos[:, None] - window
+                mask = additive(valid)
+            prefill_slots.append(_slots(tables[i:i + 1], kpos[None, :], bs)[0])
+            prefills.append((start, end, k0, k0 + len(kpos), mask))
+            k0 += len(kpos)
 
         shared_slots = token_not_member = None
         if shared:
@@ -204,7 +214,9 @@ class TorchAttention:
             shared_slots = to_device(_slots(tables[ref:ref + 1], np.arange(prefix)[None], bs)[0])
             if not_member.any():
                 token_not_member = to_device(np.repeat(not_member, np.diff(np.asarray(qsl))))
-        plan = _StepPlan(shared_slots, token_not_member, decode_groups, decode_bounds, prefills)
+        plan = _StepPlan(shared_slots, token_not_member, decode_groups, decode_bounds,
+                         to_device(np.concatenate(prefill_slots)) if prefills else None,
+                         prefills)
         meta.cache[key] = plan
         return plan
 
@@ -270,13 +282,16 @@ class TorchAttention:
             out[a:b] = o
             if cascade:
                 lse[a:b] = l
-        # prefill chunks: one call each, all query heads against the KV heads (no copy of
-        # the queries: [1, heads, tokens, D] is a view of the token-major rows)
-        for start, end, slots, mask in plan.prefills:
-            k, v = gather(slots, (slots.shape[0],))
+        # prefill chunks: their keys gathered in one go, then one call each, all query
+        # heads against the KV heads (no copy of the queries: [1, heads, tokens, D] is a
+        # view of the token-major rows)
+        if plan.prefills:
+            k_all, v_all = gather(plan.prefill_slots, (plan.prefill_slots.shape[0],))
+        for start, end, k0, k1, mask in plan.prefills:
             qi = query[start:end].transpose(0, 1)[None]
-            o, l = _attention_with_lse(qi, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                       mask, scale)
+            o, l = _attention_with_lse(qi, k_all[k0:k1].transpose(0, 1)[None],
+                                       v_all[k0:k1].transpose(0, 1)[None], mask, scale,
+                                       causal=mask is None)
             out_heads[start:end] = o[0].transpose(0, 1)
             if cascade:
                 lse[start:end] = l[0].transpose(0, 1).view(end - start, num_kv_heads, group)
