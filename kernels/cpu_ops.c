@@ -82,3 +82,55 @@ void rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *weight
         }
     }
 }
+
+/* out[r] = the index of the first maximum of row r of [rows, n] (rows stride elements
+ * apart), as torch.argmax: a NaN counts as larger than any number, so the first NaN wins.
+ * Rows are read 32 elements at a time as even and odd halves; each lane keeps its first
+ * maximum (a strictly greater value replaces it), and the lanes are then reduced to the
+ * smallest index holding the row's maximum. */
+void argmax_bf16(const uint16_t *x, int64_t rows, int64_t n, int64_t stride, int64_t *out) {
+    const i32x16 lane2 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    const int64_t n32 = n / 32 * 32;
+    #pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *row = x + r * stride;
+        f32x16 best_e = (f32x16){0} - INFINITY, best_o = best_e;
+        i32x16 at_e = (i32x16){0} + (int32_t)n, at_o = at_e, nan = {0};
+        for (int64_t i = 0; i < n32; i += 32) {
+            f32x16 e, o;
+            load_bf16x2(row + i, &e, &o);
+            const i32x16 ge = (i32x16)(e > best_e), go = (i32x16)(o > best_o);
+            best_e = (f32x16)(((i32x16)e & ge) | ((i32x16)best_e & ~ge));
+            best_o = (f32x16)(((i32x16)o & go) | ((i32x16)best_o & ~go));
+            at_e = ((lane2 + (int32_t)i) & ge) | (at_e & ~ge);
+            at_o = ((lane2 + (int32_t)(i + 1)) & go) | (at_o & ~go);
+            nan |= (i32x16)(e != e) | (i32x16)(o != o);
+        }
+        float best = -INFINITY;
+        int64_t at = n;  /* stays n only for a row of -inf (handled below) */
+        int any_nan = 0;
+        for (int k = 0; k < 16; k++) {
+            any_nan |= nan[k] != 0;
+            if (best_e[k] > best || (best_e[k] == best && at_e[k] < at))
+                best = best_e[k], at = at_e[k];
+            if (best_o[k] > best || (best_o[k] == best && at_o[k] < at))
+                best = best_o[k], at = at_o[k];
+        }
+        for (int64_t i = n32; i < n; i++) {  /* the tail, after every earlier index */
+            uint32_t w = (uint32_t)row[i] << 16;
+            float v;
+            memcpy(&v, &w, sizeof v);
+            any_nan |= v != v;
+            if (v > best) best = v, at = i;
+        }
+        if (any_nan) {  /* the first NaN */
+            for (at = 0; at < n; at++) {
+                uint32_t w = (uint32_t)row[at] << 16;
+                float v;
+                memcpy(&v, &w, sizeof v);
+                if (v != v) break;
+            }
+        }
+        out[r] = at == n ? 0 : at;  /* n: every value is -inf */
+    }
+}

@@ -29,6 +29,9 @@ class CpuOps:
         self._rms_norm = lib.rms_norm_bf16
         self._rms_norm.argtypes = [p, p, p, p, i64, i64, ctypes.c_float]
         self._rms_norm.restype = None
+        self._argmax = lib.argmax_bf16
+        self._argmax.argtypes = [p, i64, i64, i64, p]
+        self._argmax.restype = None
 
     @staticmethod
     def handles(x: torch.Tensor) -> bool:
@@ -58,6 +61,17 @@ class CpuOps:
         rows = gate.numel() // n
         self._silu_mul(gate.data_ptr(), up.data_ptr(), gate.data_ptr(), rows, n, n, n, n)
         return gate
+
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """Row-wise argmax of bfloat16 [rows, n] (rows may be strided), as torch.argmax:
+        the first maximum, a NaN counting as the largest value."""
+        if not (x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.dim() == 2
+                and x.stride(1) == 1 and x.shape[1] > 0 and x.shape[1] < 2 ** 31):
+            raise ValueError("cpu argmax: arguments out of contract")
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        self._argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
+        return out
 
 
 def load() -> CpuOps | None:

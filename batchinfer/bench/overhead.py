@@ -51,7 +51,7 @@ class ZeroModel(torch.nn.Module):
                 kv_caches) -> torch.Tensor:
         return self._rows(self._hidden, input_ids.shape[0])
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         return self._rows(self._logits, hidden.shape[0])
 
 

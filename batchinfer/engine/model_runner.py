@@ -234,8 +234,10 @@ class ModelRunner:
             sample_ids = [order[i] for i in sample_idx.tolist()]
         if len(sample_idx) < hidden.shape[0]:
             hidden = hidden[torch.from_numpy(qsl[sample_idx + 1] - 1).to(self.device)]
-        logits = self.model.compute_logits(hidden)
-        sampled = self.sampler(logits, self._sampling_batch(sample_states))
+        batch = self._sampling_batch(sample_states)
+        # an argmax needs no float32 copy of the logits (the sampler takes any float type)
+        logits = self.model.compute_logits(hidden, float32=not batch.argmax_only)
+        sampled = self.sampler(logits, batch)
         tokens = sampled.token_ids.tolist()
         for state, token in zip(sample_states, tokens):
             state.token_ids.append(token)
@@ -248,7 +250,7 @@ class ModelRunner:
 
     def _sampling_batch(self, states: list[RunnerRequest]) -> SamplingBatch:
         if all(s.plain_greedy for s in states):
-            return SamplingBatch(all_greedy=True)
+            return SamplingBatch(all_greedy=True, argmax_only=True)
         params = [s.params for s in states]
         need_logprobs = [p.logprobs for p in params if p.logprobs is not None]
         blocked_rows, blocked_ids = [], []

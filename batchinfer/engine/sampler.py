@@ -11,11 +11,15 @@ from dataclasses import dataclass
 
 import torch
 
+from batchinfer.kernels import cpu_ops
+
 
 @dataclass
 class SamplingBatch:
     """Per-row sampling settings for one step; optional parts are None when unused."""
     all_greedy: bool
+    argmax_only: bool = False  # every row greedy with nothing else to apply: logits may
+                               # stay in the model's dtype
     temperature: torch.Tensor | None = None        # [N] float, 0 for greedy rows
     top_k: torch.Tensor | None = None              # [N] long, 0 = off
     top_p: torch.Tensor | None = None              # [N] float, 1 = off
@@ -123,7 +127,15 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     (max(dim).indices, like argmax, gives the first maximum and is faster on CPU.)
     """
     n, vocab = logits.shape
-    if logits.device.type != "cpu" or vocab < 8 * _ARGMAX_CHUNK or not logits.is_contiguous():
+    if logits.device.type != "cpu":
+        return logits.argmax(dim=-1)
+    if logits.dtype == torch.bfloat16:
+        ops = cpu_ops.load()  # one pass over the bfloat16 logits, no float32 copy
+        if ops is not None and logits.stride(-1) == 1:
+            return ops.argmax(logits)
+    if logits.dtype != torch.float32:  # torch's reductions in 16-bit types are slow on CPU
+        logits = logits.float()
+    if vocab < 8 * _ARGMAX_CHUNK or not logits.is_contiguous():
         return logits.argmax(dim=-1)
     c = _ARGMAX_CHUNK
     full = vocab // c

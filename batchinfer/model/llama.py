@@ -156,7 +156,7 @@ class DecoderModel(nn.Module):
 
 class CausalLM(nn.Module):
     """forward() returns final hidden states; compute_logits() applies the LM head to the
-    rows that sample (float32 logits)."""
+    rows that sample (float32 logits, or the model's dtype with float32=False)."""
 
     def __init__(self, config, arch: "ArchSpec", backend, dtype: torch.dtype):
         super().__init__()
@@ -176,8 +176,9 @@ class CausalLM(nn.Module):
             hidden, residual = layer(rope, hidden, residual, meta, kv_cache)
         return self.model.norm(hidden, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        return logits.float() if float32 else logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (HF names) into this rank's parameters."""

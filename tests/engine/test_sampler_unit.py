@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from batchinfer.engine.sampler import Sampler, SamplingBatch, greedy_argmax
+from batchinfer.kernels import cpu_ops
 
 N = 20_000  # samples per statistical check: 4 sigma of a frequency is below 0.015
 PROBS = torch.tensor([0.40, 0.25, 0.15, 0.10, 0.06, 0.04])
@@ -249,3 +250,23 @@ def test_greedy_argmax_is_the_first_maximum(vocab, dtype):
     expected = logits.argmax(dim=-1)
     assert torch.equal(greedy_argmax(logits), expected)
     assert greedy_argmax(logits)[:3].tolist() == [vocab - 1, 3, 130]
+
+
+@pytest.mark.parametrize("vocab", [32, 1030, 49152])
+def test_bfloat16_argmax_on_cpu_matches_torch_with_nan_and_inf(vocab):
+    ops = cpu_ops.load()
+    if ops is None:
+        pytest.skip("no C ops here: greedy_argmax takes the float32 path")
+    gen = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(8, vocab + 16, generator=gen) * 2).round().bfloat16()[:, :vocab]
+    logits[0, vocab // 2] = float("nan")                 # a NaN is the maximum...
+    logits[0, vocab - 1] = float("nan")                  # ...the first one
+    logits[1] = float("-inf")                            # nothing above -inf: index 0
+    logits[2, :] = 1.0                                   # all equal: index 0
+    logits[3, vocab - 1] = 99.0                          # the last column (a tail when vocab % 32)
+    logits[4, 1] = logits[4, 2] = 99.0                   # neighbours in the even/odd split
+    logits[5, 5] = float("inf")
+    logits[5, 3] = float("inf")
+    assert not logits.is_contiguous()                    # rows strided, as a padded head's slice
+    assert torch.equal(ops.argmax(logits), logits.argmax(dim=-1))
+    assert torch.equal(greedy_argmax(logits), logits.argmax(dim=-1))
