@@ -83,54 +83,80 @@ void rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *weight
     }
 }
 
+/* 32 elements of a row from i as two vectors: bfloat16 as its even and odd elements
+ * (load_bf16x2), float32 as two runs of 16; *ia and *ib get each lane's index. */
+static inline __attribute__((always_inline)) void load32(
+        const void *row, int64_t i, int bf16, f32x16 *a, f32x16 *b, i32x16 *ia, i32x16 *ib) {
+    const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    if (bf16) {
+        load_bf16x2((const uint16_t *)row + i, a, b);
+        *ia = lane * 2 + (int32_t)i;
+        *ib = lane * 2 + (int32_t)(i + 1);
+    } else {
+        *a = load_f32((const float *)row + i);
+        *b = load_f32((const float *)row + i + 16);
+        *ia = lane + (int32_t)i;
+        *ib = lane + (int32_t)(i + 16);
+    }
+}
+
+static inline float element(const void *row, int64_t i, int bf16) {
+    if (!bf16) return ((const float *)row)[i];
+    const uint32_t w = (uint32_t)((const uint16_t *)row)[i] << 16;
+    float v;
+    memcpy(&v, &w, sizeof v);
+    return v;
+}
+
 /* out[r] = the index of the first maximum of row r of [rows, n] (rows stride elements
  * apart), as torch.argmax: a NaN counts as larger than any number, so the first NaN wins.
- * Rows are read 32 elements at a time as even and odd halves; each lane keeps its first
- * maximum (a strictly greater value replaces it), and the lanes are then reduced to the
- * smallest index holding the row's maximum. */
-void argmax_bf16(const uint16_t *x, int64_t rows, int64_t n, int64_t stride, int64_t *out) {
-    const i32x16 lane2 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-    const int64_t n32 = n / 32 * 32;
+ * Rows are read 32 elements at a time (load32); each lane keeps its first maximum (only a
+ * strictly greater value replaces it), and the lanes are then reduced to the smallest index
+ * holding the row's maximum. One pass over the logits, where torch needs a value-only pass
+ * and then a search, or a slower reduction that carries indices. */
+static inline __attribute__((always_inline)) void argmax_rows(
+        const void *x, int64_t rows, int64_t n, int64_t stride, int64_t *out, int bf16) {
+    const int64_t n32 = n / 32 * 32, elem = bf16 ? 2 : 4;
     #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *row = x + r * stride;
-        f32x16 best_e = (f32x16){0} - INFINITY, best_o = best_e;
-        i32x16 at_e = (i32x16){0} + (int32_t)n, at_o = at_e, nan = {0};
+        const char *row = (const char *)x + r * stride * elem;
+        f32x16 best_a = (f32x16){0} - INFINITY, best_b = best_a;
+        i32x16 at_a = (i32x16){0} + (int32_t)n, at_b = at_a, nan = {0};
         for (int64_t i = 0; i < n32; i += 32) {
-            f32x16 e, o;
-            load_bf16x2(row + i, &e, &o);
-            const i32x16 ge = (i32x16)(e > best_e), go = (i32x16)(o > best_o);
-            best_e = (f32x16)(((i32x16)e & ge) | ((i32x16)best_e & ~ge));
-            best_o = (f32x16)(((i32x16)o & go) | ((i32x16)best_o & ~go));
-            at_e = ((lane2 + (int32_t)i) & ge) | (at_e & ~ge);
-            at_o = ((lane2 + (int32_t)(i + 1)) & go) | (at_o & ~go);
-            nan |= (i32x16)(e != e) | (i32x16)(o != o);
+            f32x16 a, b;
+            i32x16 ia, ib;
+            load32(row, i, bf16, &a, &b, &ia, &ib);
+            const i32x16 ga = (i32x16)(a > best_a), gb = (i32x16)(b > best_b);
+            best_a = (f32x16)(((i32x16)a & ga) | ((i32x16)best_a & ~ga));
+            best_b = (f32x16)(((i32x16)b & gb) | ((i32x16)best_b & ~gb));
+            at_a = (ia & ga) | (at_a & ~ga);
+            at_b = (ib & gb) | (at_b & ~gb);
+            nan |= (i32x16)(a != a) | (i32x16)(b != b);
         }
         float best = -INFINITY;
         int64_t at = n;  /* stays n only for a row of -inf (handled below) */
         int any_nan = 0;
         for (int k = 0; k < 16; k++) {
             any_nan |= nan[k] != 0;
-            if (best_e[k] > best || (best_e[k] == best && at_e[k] < at))
-                best = best_e[k], at = at_e[k];
-            if (best_o[k] > best || (best_o[k] == best && at_o[k] < at))
-                best = best_o[k], at = at_o[k];
+            if (best_a[k] > best || (best_a[k] == best && at_a[k] < at))
+                best = best_a[k], at = at_a[k];
+            if (best_b[k] > best || (best_b[k] == best && at_b[k] < at))
+                best = best_b[k], at = at_b[k];
         }
         for (int64_t i = n32; i < n; i++) {  /* the tail, after every earlier index */
-            uint32_t w = (uint32_t)row[i] << 16;
-            float v;
-            memcpy(&v, &w, sizeof v);
+            const float v = element(row, i, bf16);
             any_nan |= v != v;
             if (v > best) best = v, at = i;
         }
-        if (any_nan) {  /* the first NaN */
-            for (at = 0; at < n; at++) {
-                uint32_t w = (uint32_t)row[at] << 16;
-                float v;
-                memcpy(&v, &w, sizeof v);
-                if (v != v) break;
-            }
-        }
+        if (any_nan)  /* the first NaN */
+            for (at = 0; at < n && element(row, at, bf16) == element(row, at, bf16); at++) {}
         out[r] = at == n ? 0 : at;  /* n: every value is -inf */
     }
+}
+
+void argmax_bf16(const uint16_t *x, int64_t rows, int64_t n, int64_t stride, int64_t *out) {
+    argmax_rows(x, rows, n, stride, out, 1);
+}
+void argmax_f32(const float *x, int64_t rows, int64_t n, int64_t stride, int64_t *out) {
+    argmax_rows(x, rows, n, stride, out, 0);
 }

@@ -29,9 +29,12 @@ class CpuOps:
         self._rms_norm = lib.rms_norm_bf16
         self._rms_norm.argtypes = [p, p, p, p, i64, i64, ctypes.c_float]
         self._rms_norm.restype = None
-        self._argmax = lib.argmax_bf16
-        self._argmax.argtypes = [p, i64, i64, i64, p]
-        self._argmax.restype = None
+        self._argmax = {}
+        for dtype, name in ((torch.bfloat16, "argmax_bf16"), (torch.float32, "argmax_f32")):
+            fn = getattr(lib, name)
+            fn.argtypes = [p, i64, i64, i64, p]
+            fn.restype = None
+            self._argmax[dtype] = fn
 
     @staticmethod
     def handles(x: torch.Tensor) -> bool:
@@ -64,13 +67,14 @@ class CpuOps:
 
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
-        """Row-wise argmax of bfloat16 [rows, n] (rows may be strided), as torch.argmax:
-        the first maximum, a NaN counting as the largest value."""
-        if not (x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.dim() == 2
-                and x.stride(1) == 1 and x.shape[1] > 0 and x.shape[1] < 2 ** 31):
+        """Row-wise argmax of bfloat16 or float32 [rows, n] (rows may be strided), as
+        torch.argmax: the first maximum, a NaN counting as the largest value."""
+        if not (x.device.type == "cpu" and x.dtype in self._argmax and x.dim() == 2
+                and x.stride(1) == 1 and 0 < x.shape[1] < 2 ** 31 - 32):
             raise ValueError("cpu argmax: arguments out of contract")
         out = torch.empty(x.shape[0], dtype=torch.int64)
-        self._argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
+        self._argmax[x.dtype](x.data_ptr(), x.shape[0], x.shape[1], x.stride(0),
+                              out.data_ptr())
         return out
 
 

@@ -121,17 +121,18 @@ _ARGMAX_CHUNK = 128
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """Row-wise argmax (first index of the maximum, as torch.argmax) of [N, V] logits.
 
-    On CPU a reduction that also tracks indices is several times slower than one that
-    only finds the value, so this takes the maximum of each 128-wide chunk (value only),
-    picks each row's first chunk holding the row maximum, and searches only that chunk.
-    (max(dim).indices, like argmax, gives the first maximum and is faster on CPU.)
+    On CPU the C ops (kernels/cpu_ops.c) do it in one pass where they can be built.
+    Otherwise: torch's reduction that also tracks indices is several times slower than one
+    that only finds the value, so this takes the maximum of each 128-wide chunk (value
+    only), picks each row's first chunk holding the row maximum, and searches only that
+    chunk. (max(dim).indices, like argmax, gives the first maximum and is faster on CPU.)
     """
     n, vocab = logits.shape
     if logits.device.type != "cpu":
         return logits.argmax(dim=-1)
-    if logits.dtype == torch.bfloat16:
-        ops = cpu_ops.load()  # one pass over the bfloat16 logits, no float32 copy
-        if ops is not None and logits.stride(-1) == 1:
+    if logits.dtype in (torch.bfloat16, torch.float32) and logits.stride(-1) == 1:
+        ops = cpu_ops.load()  # one C pass (bfloat16 logits need no float32 copy)
+        if ops is not None:
             return ops.argmax(logits)
     if logits.dtype != torch.float32:  # torch's reductions in 16-bit types are slow on CPU
         logits = logits.float()

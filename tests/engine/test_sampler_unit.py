@@ -253,18 +253,19 @@ def test_greedy_argmax_is_the_first_maximum(vocab, dtype):
 
 
 @pytest.mark.parametrize("vocab", [32, 1030, 49152])
-def test_bfloat16_argmax_on_cpu_matches_torch_with_nan_and_inf(vocab):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_c_argmax_matches_torch_with_nan_and_inf(vocab, dtype):
     ops = cpu_ops.load()
     if ops is None:
-        pytest.skip("no C ops here: greedy_argmax takes the float32 path")
+        pytest.skip("no C ops here: greedy_argmax takes torch's path")
     gen = torch.Generator().manual_seed(vocab)
-    logits = (torch.randn(8, vocab + 16, generator=gen) * 2).round().bfloat16()[:, :vocab]
+    logits = (torch.randn(8, vocab + 16, generator=gen) * 2).round().to(dtype)[:, :vocab]
     logits[0, vocab // 2] = float("nan")                 # a NaN is the maximum...
     logits[0, vocab - 1] = float("nan")                  # ...the first one
     logits[1] = float("-inf")                            # nothing above -inf: index 0
     logits[2, :] = 1.0                                   # all equal: index 0
     logits[3, vocab - 1] = 99.0                          # the last column (a tail when vocab % 32)
-    logits[4, 1] = logits[4, 2] = 99.0                   # neighbours in the even/odd split
+    logits[4, 1] = logits[4, 2] = 99.0                   # neighbours in different lanes
     logits[5, 5] = float("inf")
     logits[5, 3] = float("inf")
     assert not logits.is_contiguous()                    # rows strided, as a padded head's slice
