@@ -84,10 +84,10 @@ class _StepPlan:
     token_not_member: torch.Tensor | None  # [num_tokens] bool: token's sequence skips it
     decode_groups: list[tuple[int, int, torch.Tensor, int, torch.Tensor]]  # a, b, slots, S, mask
     decode_bounds: tuple[torch.Tensor, torch.Tensor] | None  # kernel path: int32 lo, hi per decode
-    prefill_slots: torch.Tensor | None     # every prefill chunk's own keys, one after another
-    # start, end (its tokens), k0, k1 (its keys in prefill_slots), [tokens, keys] additive
-    # mask or None when exactly causal (its keys are its own tokens, no window)
-    prefills: list[tuple[int, int, int, int, torch.Tensor | None]]
+    # prefill chunks in gather groups: (the group's keys, one chunk after another; its
+    # chunks as start, end (tokens), k0, k1 (keys in the group), [tokens, keys] additive
+    # mask or None when exactly causal: its keys are its own tokens, no window)
+    prefill_groups: list[tuple[torch.Tensor, list[tuple[int, int, int, int, torch.Tensor | None]]]]
 
 
 class TorchAttention:
@@ -96,6 +96,9 @@ class TorchAttention:
     min_cascade_tokens = 64
     # Decodes are padded to the longest context of their group.
     max_decode_groups = 4
+    # Prefill chunks' keys are gathered together up to this many rows (a chunk with more
+    # is gathered alone), which bounds the scratch buffers with long chunked contexts.
+    max_gather_rows = 16384
 
     def __init__(self, use_cpu_kernel: bool = True) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
@@ -193,7 +196,7 @@ class TorchAttention:
             decode_groups.append((a, b, to_device(slots.reshape(-1)), width,
                                   additive(valid)[:, None, None, :]))
 
-        prefills, prefill_slots, k0 = [], [], 0
+        prefill_groups, group_slots, chunks, k0 = [], [], [], 0
         for i in range(nd, n):
             start, end, seq_len = qsl[i], qsl[i + 1], int(lens[i])
             kpos = np.arange(own_start[i], seq_len)
@@ -204,9 +207,14 @@ class TorchAttention:
                 if window is not None:
                     valid &= kpos[None, :] > qpos[:, None] - window
                 mask = additive(valid)
-            prefill_slots.append(_slots(tables[i:i + 1], kpos[None, :], bs)[0])
-            prefills.append((start, end, k0, k0 + len(kpos), mask))
+            if chunks and k0 + len(kpos) > self.max_gather_rows:
+                prefill_groups.append((to_device(np.concatenate(group_slots)), chunks))
+                group_slots, chunks, k0 = [], [], 0
+            group_slots.append(_slots(tables[i:i + 1], kpos[None, :], bs)[0])
+            chunks.append((start, end, k0, k0 + len(kpos), mask))
             k0 += len(kpos)
+        if chunks:
+            prefill_groups.append((to_device(np.concatenate(group_slots)), chunks))
 
         shared_slots = token_not_member = None
         if shared:
@@ -215,8 +223,7 @@ class TorchAttention:
             if not_member.any():
                 token_not_member = to_device(np.repeat(not_member, np.diff(np.asarray(qsl))))
         plan = _StepPlan(shared_slots, token_not_member, decode_groups, decode_bounds,
-                         to_device(np.concatenate(prefill_slots)) if prefills else None,
-                         prefills)
+                         prefill_groups)
         meta.cache[key] = plan
         return plan
 
@@ -282,19 +289,20 @@ class TorchAttention:
             out[a:b] = o
             if cascade:
                 lse[a:b] = l
-        # prefill chunks: their keys gathered in one go, then one call each, all query
-        # heads against the KV heads (no copy of the queries: [1, heads, tokens, D] is a
-        # view of the token-major rows)
-        if plan.prefills:
-            k_all, v_all = gather(plan.prefill_slots, (plan.prefill_slots.shape[0],))
-        for start, end, k0, k1, mask in plan.prefills:
-            qi = query[start:end].transpose(0, 1)[None]
-            o, l = _attention_with_lse(qi, k_all[k0:k1].transpose(0, 1)[None],
-                                       v_all[k0:k1].transpose(0, 1)[None], mask, scale,
-                                       causal=mask is None)
-            out_heads[start:end] = o[0].transpose(0, 1)
-            if cascade:
-                lse[start:end] = l[0].transpose(0, 1).view(end - start, num_kv_heads, group)
+        # prefill chunks: their keys gathered a group at a time, then one call each, all
+        # query heads against the KV heads (no copy of the queries: [1, heads, tokens, D]
+        # is a view of the token-major rows)
+        for slots, chunks in plan.prefill_groups:
+            k_all, v_all = gather(slots, (slots.shape[0],))
+            for start, end, k0, k1, mask in chunks:
+                qi = query[start:end].transpose(0, 1)[None]
+                o, l = _attention_with_lse(qi, k_all[k0:k1].transpose(0, 1)[None],
+                                           v_all[k0:k1].transpose(0, 1)[None], mask, scale,
+                                           causal=mask is None)
+                out_heads[start:end] = o[0].transpose(0, 1)
+                if cascade:
+                    lse[start:end] = l[0].transpose(0, 1).view(end - start, num_kv_heads,
+                                                               group)
         if not cascade or merged == num_tokens:
             return out_heads
 

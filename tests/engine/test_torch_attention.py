@@ -102,6 +102,25 @@ def test_matches_reference(window, dtype, tol, use_cpu_kernel):
         assert plan.token_not_member.tolist() == [f for s, f in zip(seqs, skips) for _ in range(s[2])]
 
 
+@pytest.mark.parametrize("max_gather_rows, groups", [(16384, 1), (150, 3)])
+def test_prefill_keys_gathered_in_bounded_groups(max_gather_rows, groups):
+    """Prefill chunks share one gather until their keys pass max_gather_rows (own keys: 72,
+    22, 140 and 100 rows here); a chunk past the bound starts a new group."""
+    seqs = sorted(MIXED, key=lambda s: s[2] != 1)
+    query, key, value, k_cache, v_cache, meta = paged_batch(seqs)
+    backend = TorchAttention()
+    backend.max_gather_rows = max_gather_rows
+    out = backend.forward(query, key, value, k_cache, v_cache, meta, 0.2, None)
+    torch.testing.assert_close(out, reference(query, k_cache, v_cache, meta, None),
+                               atol=2e-5, rtol=2e-5)
+    plan = step_plan(meta)
+    assert len(plan.prefill_groups) == groups
+    assert sum(len(chunks) for _, chunks in plan.prefill_groups) == 4
+    # exactly causal chunks (keys = their own tokens) take no mask
+    masks = [mask is None for _, chunks in plan.prefill_groups for *_, mask in chunks]
+    assert masks == [False, True, True, True]
+
+
 def test_cascade_picks_the_prefix_most_sequences_share():
     # 4 sequences share 6 blocks, 2 of them share 10: 6 x 4 saves more than 10 x 2
     seqs = [(6, 120, 1), (6, 140, 1), (10, 190, 1), (10, 200, 1)]
