@@ -16,13 +16,6 @@
 
 #include "cpu_vec.h"
 
-static inline f32x16 load16(const void *base, int64_t i, int bf16) {
-    return bf16 ? load_bf16((const uint16_t *)base + i) : load_f32((const float *)base + i);
-}
-static inline void store16(void *base, int64_t i, f32x16 v, int bf16) {
-    if (bf16) store_bf16((uint16_t *)base + i, v);
-    else store_f32((float *)base + i, v);
-}
 static inline f32x16 round_to(f32x16 v, int bf16) { return bf16 ? round_bf16(v) : v; }
 
 /* dst = x * cos + rotate_half(x) * sin for one head of head_dim elements (a multiple of

@@ -38,6 +38,18 @@ static inline void store_bf16(uint16_t *p, f32x16 v) {
     u16x16 h = __builtin_convertvector(bf16_bits(v) >> 16, u16x16); memcpy(p, &h, sizeof h);
 }
 
+/* 16 elements at element offset i of a float32 (bf16 == 0) or bfloat16 (bf16 == 1) array;
+ * callers pass a constant flag, so each use compiles to one of the two */
+static inline __attribute__((always_inline)) f32x16 load16(const void *base, int64_t i,
+                                                          int bf16) {
+    return bf16 ? load_bf16((const uint16_t *)base + i) : load_f32((const float *)base + i);
+}
+static inline __attribute__((always_inline)) void store16(void *base, int64_t i, f32x16 v,
+                                                         int bf16) {
+    if (bf16) store_bf16((uint16_t *)base + i, v);
+    else store_f32((float *)base + i, v);
+}
+
 /* 32 bfloat16 values as their even (p[0], p[2], ...) and odd elements: a shift and a mask,
  * where two load_bf16 take two loads, conversions and shifts. For elementwise work whose
  * operands are all read this way and stored with store_bf16x2, the order does not matter. */

@@ -65,14 +65,6 @@ INLINE f32x16 transpose_sum16(const f32x16 *x) {
 
 /* Elements are float32 (bf16 == 0) or bfloat16 (bf16 == 1); the functions below are
  * inlined with a constant flag, so each entry point compiles to its own straight code. */
-INLINE f32x16 load16(const void *base, int64_t i, int bf16) {
-    return bf16 ? load_bf16((const uint16_t *)base + i) : load_f32((const float *)base + i);
-}
-INLINE void store16(void *base, int64_t i, f32x16 v, int bf16) {
-    if (bf16) store_bf16((uint16_t *)base + i, v);
-    else store_f32((float *)base + i, v);
-}
-
 /* One head row of nc * 16 elements as nc vectors. bfloat16 rows with an even nc are read
  * 32 elements at a time and split into their even and odd elements (a shift and a mask,
  * where widening in order takes a load, a conversion and a shift per 16): dst[2b] holds
