@@ -250,7 +250,7 @@ class ModelRunner:
 
     def _sampling_batch(self, states: list[RunnerRequest]) -> SamplingBatch:
         if all(s.plain_greedy for s in states):
-            return SamplingBatch(all_greedy=True, argmax_only=True)
+            return SamplingBatch(all_greedy=True)
         params = [s.params for s in states]
         need_logprobs = [p.logprobs for p in params if p.logprobs is not None]
         blocked_rows, blocked_ids = [], []

@@ -18,8 +18,6 @@ from batchinfer.kernels import cpu_ops
 class SamplingBatch:
     """Per-row sampling settings for one step; optional parts are None when unused."""
     all_greedy: bool
-    argmax_only: bool = False  # every row greedy with nothing else to apply: logits may
-                               # stay in the model's dtype
     temperature: torch.Tensor | None = None        # [N] float, 0 for greedy rows
     top_k: torch.Tensor | None = None              # [N] long, 0 = off
     top_p: torch.Tensor | None = None              # [N] float, 1 = off
@@ -34,6 +32,13 @@ class SamplingBatch:
     # (rows, token ids) whose logits are -inf this step (min_tokens not yet reached)
     blocked: tuple[list[int], list[int]] | None = None
     max_num_logprobs: int | None = None
+
+    @property
+    def argmax_only(self) -> bool:
+        """Every row greedy with nothing else to apply: the logits may stay in the model's
+        dtype."""
+        return (self.all_greedy and self.max_num_logprobs is None and self.blocked is None
+                and self.repetition_penalty is None)
 
 
 @dataclass
