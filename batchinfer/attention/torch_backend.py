@@ -3,15 +3,17 @@
 Once per step (not per layer) it turns block tables into gather indices and masks; per
 layer it writes the new K/V into the cache, gathers each sequence's context and runs SDPA.
 Decodes on CPU go to a C kernel that reads the blocks in place (kernels/cpu_decode.py)
-where it can be built. Otherwise they are batched in a few groups of similar length (the
-runner sorts them) with the query heads of each KV head folded into the query axis, so GQA
-needs no K/V expansion. Prefill chunks run one call each.
+where it can be built, and so do prefill chunks without a sliding window
+(kernels/cpu_prefill.py), all of a step's chunks in one call. Otherwise decodes are batched
+in a few groups of similar length (the runner sorts them) with the query heads of each KV
+head folded into the query axis, so GQA needs no K/V expansion, and prefill chunks run one
+flash call each.
 
 Cascade: when sequences share leading blocks (a common system prompt) that lie wholly
 before all of their queries, those blocks are attended once for the whole batch — one
 dense product of every query row against the shared K/V — and only each sequence's own
 tail is gathered. The two partial results are merged by their log-sum-exp (the C decode
-kernel takes the shared result as its starting point and merges as it goes). That removes
+kernels take the shared result as their starting point and merge as they go). That removes
 the shared part from every per-sequence copy, which on CPU is most of the cost.
 """
 from __future__ import annotations
@@ -88,6 +90,8 @@ class _StepPlan:
     # chunks as start, end (tokens), k0, k1 (keys in the group), [tokens, keys] additive
     # mask or None when exactly causal: its keys are its own tokens, no window)
     prefill_groups: list[tuple[torch.Tensor, list[tuple[int, int, int, int, torch.Tensor | None]]]]
+    # kernel path: [chunks, 5] int32 (sequence, start, end, first key, seq len) per chunk
+    prefill_chunks: torch.Tensor | None = None
 
 
 class TorchAttention:
@@ -110,6 +114,17 @@ class TorchAttention:
             return None
         from batchinfer.kernels import cpu_decode
         kernel = cpu_decode.load()
+        if kernel is None or not kernel.supports(query.dtype, query.shape[1], num_kv_heads,
+                                                 query.shape[2]):
+            return None
+        return kernel
+
+    def _prefill_kernel(self, query: torch.Tensor, num_kv_heads: int):
+        """The C prefill kernel when it applies to this device, dtype and head shape."""
+        if not self._use_cpu_kernel or query.device.type != "cpu":
+            return None
+        from batchinfer.kernels import cpu_prefill
+        kernel = cpu_prefill.load()
         if kernel is None or not kernel.supports(query.dtype, query.shape[1], num_kv_heads,
                                                  query.shape[2]):
             return None
@@ -156,11 +171,12 @@ class TorchAttention:
         return best, matched < best
 
     def _plan(self, meta: AttentionMetadata, window: int | None, dtype: torch.dtype,
-              decode_kernel: bool) -> _StepPlan:
+              decode_kernel: bool, prefill_kernel: bool = False) -> _StepPlan:
         """Built on the host with numpy (small arrays: torch's per-op cost would dominate),
         then moved to the device once. With decode_kernel, decodes get key ranges for the C
-        kernel instead of gather indices and masks."""
-        key = ("plan", window, dtype, decode_kernel)
+        kernel instead of gather indices and masks; with prefill_kernel (and no window),
+        prefill chunks get one row each for the C kernel."""
+        key = ("plan", window, dtype, decode_kernel, prefill_kernel)
         if key in meta.cache:
             return meta.cache[key]
         bs, nd, n = meta.block_size, meta.num_decode_seqs, meta.num_seqs
@@ -197,7 +213,13 @@ class TorchAttention:
                                   additive(valid)[:, None, None, :]))
 
         prefill_groups, group_slots, chunks, k0 = [], [], [], 0
-        for i in range(nd, n):
+        prefill_chunks = None
+        if prefill_kernel and window is None and n > nd:
+            rows = np.arange(nd, n)
+            prefill_chunks = to_device(np.stack(
+                [rows, np.asarray(qsl[nd:n]), np.asarray(qsl[nd + 1:n + 1]), own_start[nd:n],
+                 lens[nd:n]], axis=1).astype(np.int32))
+        for i in range(nd if prefill_chunks is None else n, n):
             start, end, seq_len = qsl[i], qsl[i + 1], int(lens[i])
             kpos = np.arange(own_start[i], seq_len)
             mask = None
@@ -223,7 +245,7 @@ class TorchAttention:
             if not_member.any():
                 token_not_member = to_device(np.repeat(not_member, np.diff(np.asarray(qsl))))
         plan = _StepPlan(shared_slots, token_not_member, decode_groups, decode_bounds,
-                         prefill_groups)
+                         prefill_groups, prefill_chunks)
         meta.cache[key] = plan
         return plan
 
@@ -240,7 +262,9 @@ class TorchAttention:
         k_flat = k_cache.view(-1, num_kv_heads, head_dim)
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
         kernel = self._decode_kernel(query, num_kv_heads)
-        plan = self._plan(meta, sliding_window, query.dtype, kernel is not None)
+        prefill_kernel = self._prefill_kernel(query, num_kv_heads) if kernel else None
+        plan = self._plan(meta, sliding_window, query.dtype, kernel is not None,
+                          prefill_kernel is not None)
         cascade = plan.shared_slots is not None
 
         def gather(slots: torch.Tensor, shape: tuple[int, ...]):
@@ -256,8 +280,10 @@ class TorchAttention:
         out_heads = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype,
                                 device=query.device)
         out = out_heads.view(num_tokens, num_kv_heads, group, head_dim)  # own part, per KV head
+        # own parts' log-sum-exp, for the merge of those the kernels do not merge themselves
         lse = torch.empty(num_tokens, num_kv_heads, group, dtype=torch.float32,
-                          device=query.device) if cascade else None
+                          device=query.device) \
+            if cascade and (plan.decode_groups or plan.prefill_groups) else None
 
         shared = shared_lse = None
         if cascade:
@@ -289,6 +315,10 @@ class TorchAttention:
             out[a:b] = o
             if cascade:
                 lse[a:b] = l
+        if plan.prefill_chunks is not None:  # follows the decodes: merged == nd here
+            prefill_kernel(query, k_cache, v_cache, meta.block_tables, plan.prefill_chunks,
+                           scale, out_heads, None, (shared, shared_lse) if cascade else None)
+            merged = num_tokens
         # prefill chunks: their keys gathered a group at a time, then one call each, all
         # query heads against the KV heads (no copy of the queries: [1, heads, tokens, D]
         # is a view of the token-major rows)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from batchinfer.attention import AttentionMetadata, TorchAttention
-from batchinfer.kernels import cpu_decode
+from batchinfer.kernels import cpu_decode, cpu_prefill
 from batchinfer.kernels.reference import ref_decode_attention, ref_prefill_attention
 
 BLOCK = 16
@@ -94,6 +94,10 @@ def test_matches_reference(window, dtype, tol, use_cpu_kernel):
     kernel_used = use_cpu_kernel and cpu_decode.load() is not None
     assert (plan.decode_bounds is not None) == kernel_used
     assert bool(plan.decode_groups) == (not kernel_used)
+    # prompt chunks go to the C prefill kernel with it, unless there is a window
+    prefill_kernel = kernel_used and window is None and cpu_prefill.load() is not None
+    assert (plan.prefill_chunks is not None) == prefill_kernel
+    assert bool(plan.prefill_groups) == (not prefill_kernel)
     # the cascade runs without a window (128 shared tokens), never with one shorter than the context
     assert (plan.shared_slots is not None) == (window is None)
     if window is None:
@@ -104,11 +108,12 @@ def test_matches_reference(window, dtype, tol, use_cpu_kernel):
 
 @pytest.mark.parametrize("max_gather_rows, groups", [(16384, 1), (150, 3)])
 def test_prefill_keys_gathered_in_bounded_groups(max_gather_rows, groups):
-    """Prefill chunks share one gather until their keys pass max_gather_rows (own keys: 72,
-    22, 140 and 100 rows here); a chunk past the bound starts a new group."""
+    """Without the C prefill kernel, prefill chunks share one gather until their keys pass
+    max_gather_rows (own keys: 72, 22, 140 and 100 rows here); a chunk past the bound starts
+    a new group."""
     seqs = sorted(MIXED, key=lambda s: s[2] != 1)
     query, key, value, k_cache, v_cache, meta = paged_batch(seqs)
-    backend = TorchAttention()
+    backend = TorchAttention(use_cpu_kernel=False)
     backend.max_gather_rows = max_gather_rows
     out = backend.forward(query, key, value, k_cache, v_cache, meta, 0.2, None)
     torch.testing.assert_close(out, reference(query, k_cache, v_cache, meta, None),

@@ -1,0 +1,127 @@
+"""The C prefill-attention kernel for CPUs (prefill_attn_cpu.c), built by cpu_build.py and
+called through ctypes.
+
+torch's flash kernel runs each prompt chunk as its own small problem, where its per-block
+set-up outweighs the arithmetic (about 2 ns per query-key pair at 100-token chunks, against
+0.35 ns on one long sequence); this kernel runs every chunk of a step in one call, reading
+keys in place from the paged cache, and can start from a cascade's shared-prefix result.
+When it cannot be built (see cpu_build.py), load() returns None and the torch path runs.
+"""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from . import cpu_build
+
+SOURCE = Path(__file__).with_name("prefill_attn_cpu.c")
+MAX_GROUP = 16          # query heads per KV head (prefill_attn_cpu.c: MAX_GROUP)
+MAX_HEAD_DIM = 256
+
+
+class CpuPrefillKernel:
+    """prefill_attn_cpu.c's entry points, with the argument checks that keep it in bounds."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._fns = {}
+        for dtype, name in ((torch.float32, "prefill_attn_f32"),
+                            (torch.bfloat16, "prefill_attn_bf16")):
+            fn = getattr(lib, name)
+            fn.argtypes = [p, i64, p, p, p, i64, i64, p, i64, i64, i64, i64, ctypes.c_float,
+                           p, p, p, p, i64, i64, i64, i64, i64, i64]
+            fn.restype = ctypes.c_int
+            self._fns[dtype] = fn
+        self._checked: tuple[torch.Tensor, torch.Tensor, int, int] | None = None
+
+    def supports(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                 head_dim: int) -> bool:
+        group = num_heads // num_kv_heads
+        return (dtype in self._fns and head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM
+                and 1 <= group <= MAX_GROUP and num_heads == group * num_kv_heads)
+
+    def _check_chunks(self, chunks: torch.Tensor, block_tables: torch.Tensor, num_tokens: int,
+                      num_blocks: int, block_size: int) -> None:
+        """Every chunk's tokens lie in the batch and every key it reads in its block table
+        and the cache. The same chunks serve every layer of a step: checked once per step."""
+        key = (chunks, block_tables, num_tokens, num_blocks)
+        if self._checked is not None and self._checked[0] is chunks \
+                and self._checked[1] is block_tables and self._checked[2:] == key[2:]:
+            return
+        if chunks.numel():
+            s, q0, q1, lo, hi = chunks.long().unbind(1)
+
+            def blocks_in_cache() -> bool:  # of the blocks each chunk's context spans
+                rows = block_tables[s]
+                used = torch.arange(block_tables.shape[1])[None, :] * block_size < hi[:, None]
+                return bool(((rows >= 0) & (rows < num_blocks) | ~used).all())
+
+            # each token sees at least one key: its own
+            if not (int(s.min()) >= 0 and int(s.max()) < block_tables.shape[0]
+                    and int(q0.min()) >= 0 and bool((q1 > q0).all())
+                    and int(q1.max()) <= num_tokens and int(lo.min()) >= 0
+                    and bool((hi - (q1 - q0) >= lo).all())
+                    and int(hi.max()) <= block_tables.shape[1] * block_size
+                    and blocks_in_cache()):
+                raise ValueError("cpu prefill kernel: chunks outside the batch or the cache")
+        self._checked = key
+
+    def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, chunks: torch.Tensor, scale: float,
+                 out: torch.Tensor, lse: torch.Tensor | None = None,
+                 init: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Causal attention of query [T, H, D] (rows may be strided) for each chunk
+        (s, q0, q1, lo, hi) of chunks [C, 5] int32: tokens [q0, q1) are the last positions
+        of sequence s, whose context ends at hi, and see key positions [lo, ...) causally.
+        Writes out [T, H, D] (contiguous) for the chunks' tokens and, when given, lse [T, H]
+        float32. init, when given, is (out [T, Hkv, G, D], lse [T, Hkv, G]) of the same
+        queries over other keys (any strides but along head_dim), and the result is their
+        merge; a row with init lse -inf starts from nothing."""
+        num_tokens, num_heads, head_dim = query.shape
+        num_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+        group = num_heads // num_kv_heads
+        tensors = [query, k_cache, v_cache, block_tables, chunks, out, lse]
+        if init is not None:
+            io, il = init
+            init_ok = (io.dtype == query.dtype and il.dtype == torch.float32
+                       and io.shape == (num_tokens, num_kv_heads, group, head_dim)
+                       and il.shape == (num_tokens, num_kv_heads, group)
+                       and io.stride(3) == 1
+                       and io.device.type == il.device.type == "cpu")
+        else:
+            init_ok = True
+        if not (self.supports(query.dtype, num_heads, num_kv_heads, head_dim) and init_ok
+                and all(t.device.type == "cpu" for t in tensors if t is not None)
+                and cache_head_dim == head_dim
+                and query.stride(2) == 1 and query.stride(1) == head_dim
+                and k_cache.is_contiguous() and v_cache.is_contiguous()
+                and v_cache.shape == k_cache.shape
+                and k_cache.dtype == v_cache.dtype == query.dtype == out.dtype
+                and out.is_contiguous() and out.shape == query.shape
+                and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
+                and chunks.dtype == torch.int32 and chunks.is_contiguous()
+                and chunks.dim() == 2 and chunks.shape[1] == 5
+                and (lse is None or (lse.dtype == torch.float32 and lse.is_contiguous()
+                                     and lse.numel() == num_tokens * num_heads))):
+            raise ValueError("cpu prefill kernel: arguments out of contract")
+        self._check_chunks(chunks, block_tables, num_tokens, num_blocks, block_size)
+        rc = self._fns[query.dtype](
+            query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+            block_tables.data_ptr(), block_tables.stride(0), block_size, chunks.data_ptr(),
+            chunks.shape[0], num_kv_heads, group, head_dim, scale, out.data_ptr(),
+            lse.data_ptr() if lse is not None else None,
+            init[0].data_ptr() if init else None, init[1].data_ptr() if init else None,
+            *(init[0].stride()[:3] if init else (0, 0, 0)),
+            *(init[1].stride() if init else (0, 0, 0)))
+        if rc != 0:
+            raise ValueError(f"cpu prefill kernel rejected group={group} head_dim={head_dim}"
+                             if rc == 1 else "cpu prefill kernel: out of memory")
+
+
+def load() -> CpuPrefillKernel | None:
+    """The kernel, built on first use; None when it cannot be built here or is switched off."""
+    return cpu_build.load(SOURCE, CpuPrefillKernel)

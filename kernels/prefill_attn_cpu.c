@@ -1,0 +1,260 @@
+/* Causal attention of prompt chunks for CPUs: each chunk's query tokens against its keys in
+ * the paged cache, read in place. kernels/cpu_build.py compiles it on first use;
+ * kernels/cpu_prefill.py checks the arguments and calls it through ctypes.
+ *
+ * Cache layout as for the decode kernel: [num_blocks, block_size, num_kv_heads, head_dim];
+ * position p of sequence s is row p % block_size of block block_tables[s, p / block_size].
+ * A chunk is (s, q0, q1, lo, hi): query tokens [q0, q1) of the batch are the last
+ * n = q1 - q0 positions of sequence s, whose context ends at hi, and they attend to key
+ * positions from lo on, causally: the chunk's i-th token sees [lo, hi - n + i + 1).
+ * Query head h * group + g reads KV head h (GQA).
+ *
+ * Unlike a decode, a prompt's keys are read by many query rows (every later token and every
+ * query head of the group), so this is a blocked product rather than a walk: a work item
+ * is one chunk, one KV head and up to ITEM_ROWS of its query rows. It takes the keys
+ * KEY_BLOCK at a time, widened to float32 into thread-local buffers (K transposed, so 16
+ * keys' scores come from one vector per head_dim element), and for each pass of a few rows
+ * computes their scores, an online softmax step (the running max and sum per row carried
+ * across key blocks) and the weighted sum of V, with the pass's accumulators in registers.
+ * Rows whose causal limit ends before a 16-key column skip it. float32 throughout, for
+ * float32 and bfloat16 caches alike.
+ *
+ * init_out/init_lse (optional): a partial result of the same query rows over other keys
+ * (a cascade's shared prefix), merged in by starting each row's softmax from it. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_vec.h"
+
+#define INLINE static inline __attribute__((always_inline))
+
+#define MAX_GROUP 16
+#define MAX_HEAD_DIM 256
+#define KEY_BLOCK 256   /* keys widened and attended at a time (K^T and V: 2 x 64 KB at 64) */
+#define ITEM_ROWS 512   /* query rows per work item, about: the keys are widened once each */
+
+/* Per-thread scratch, grown on demand and kept (torch's OpenMP threads live as long as the
+ * process), so a call does not map fresh pages for it. */
+static __thread float *scratch;
+static __thread size_t scratch_floats;
+
+static float *thread_scratch(size_t floats) {
+    if (floats > scratch_floats) {
+        free(scratch);
+        scratch = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+        scratch_floats = scratch ? floats : 0;
+    }
+    return scratch;
+}
+
+/* element i of a float32 (bf16 == 0) or bfloat16 (bf16 == 1) array, as float */
+INLINE float element(const void *base, int64_t i, int bf16) {
+    if (bf16) {
+        const uint32_t w = (uint32_t)((const uint16_t *)base)[i] << 16;
+        float f; memcpy(&f, &w, sizeof f); return f;
+    }
+    return ((const float *)base)[i];
+}
+
+/* Keys [k0, k0 + n) of the sequence whose block table is table, widened to float32 rows of
+ * head_dim: kb[j * head_dim + d] = K[j][d], vb likewise. */
+INLINE void widen_block(const void *k_cache, const void *v_cache, const int32_t *table,
+                        int64_t block_size, int64_t key_stride, int64_t head_off, int64_t k0,
+                        int64_t n, int64_t head_dim, float *kb, float *vb, int bf16) {
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t p = k0 + j;
+        const int64_t at = ((int64_t)table[p / block_size] * block_size + p % block_size)
+                           * key_stride + head_off;
+        for (int64_t c = 0; c < head_dim; c += 16) {
+            store_f32(kb + j * head_dim + c, load16(k_cache, at + c, bf16));
+            store_f32(vb + j * head_dim + c, load16(v_cache, at + c, bf16));
+        }
+    }
+}
+
+#define KEYS_PER_STEP 8  /* keys whose scores are summed together: independent FMA chains */
+
+/* One group of 16 query rows over a widened block of keys. qt: the rows' scaled queries
+ * transposed ([head_dim][16]); m, l: their running max and sum; a: their accumulators
+ * ([16][head_dim]); lim: how many of the block's keys each row sees (non-decreasing: rows
+ * are token-major); s: [KEY_BLOCK][16] scratch. Compiled for constant NC = head_dim / 16
+ * and R rows per weighted-sum pass (R * NC accumulators in registers). */
+INLINE void row_group(const float *qt, float *m, float *l, float *a, i32x16 lim, int64_t cols,
+                      const float *kb, const float *vb, float *s, const int64_t NC,
+                      const int64_t R) {
+    const int64_t D = NC * 16;
+    /* scores, one vector of the 16 rows per key: row-vector x key, summed along head_dim */
+    for (int64_t j = 0; j < cols; j += KEYS_PER_STEP) {
+        f32x16 acc[KEYS_PER_STEP];
+        for (int64_t k = 0; k < KEYS_PER_STEP; k++) acc[k] = (f32x16){0};
+        for (int64_t d = 0; d < D; d++) {
+            const f32x16 q = load_f32(qt + d * 16);
+            for (int64_t k = 0; k < KEYS_PER_STEP; k++) acc[k] += kb[(j + k) * D + d] * q;
+        }
+        for (int64_t k = 0; k < KEYS_PER_STEP; k++) store_f32(s + (j + k) * 16, acc[k]);
+    }
+    /* online softmax, every row at once: weights replace the scores, 0 past a row's limit */
+    const f32x16 neg_inf = (f32x16){0} - INFINITY;
+    f32x16 mx = neg_inf;  /* a NaN score is passed over here (vmax keeps its second
+                           * argument) and shows as NaN through its weight instead */
+    for (int64_t j = 0; j < cols; j++) {
+        const i32x16 valid = (i32x16){0} + (int32_t)j < lim;
+        mx = vmax((f32x16)(((i32x16)load_f32(s + j * 16) & valid) | ((i32x16)neg_inf & ~valid)),
+                  mx);
+    }
+    const f32x16 m_old = load_f32(m), m_new = vmax(m_old, mx);
+    /* a row with nothing yet and nothing here keeps corr 1 and weights 0 */
+    const i32x16 none = (i32x16)(m_new == neg_inf);
+    const f32x16 corr = vexp((f32x16)((i32x16)(m_old - m_new) & ~none));
+    f32x16 sum = (f32x16){0};
+    for (int64_t j = 0; j < cols; j++) {
+        const i32x16 valid = ((i32x16){0} + (int32_t)j < lim) & ~none;
+        const f32x16 e = (f32x16)((i32x16)vexp(load_f32(s + j * 16) - m_new) & valid);
+        store_f32(s + j * 16, e);
+        sum += e;
+    }
+    store_f32(m, m_new);
+    store_f32(l, load_f32(l) * corr + sum);
+    /* weighted values, R rows at a time with their accumulators in registers */
+    for (int64_t r0 = 0; r0 < 16; r0 += R) {
+        int64_t end = 0;  /* keys any of these rows sees */
+        for (int64_t r = r0; r < r0 + R; r++) end = lim[r] > end ? lim[r] : end;
+        f32x16 acc[R * NC];
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t c = 0; c < NC; c++)
+                acc[r * NC + c] = load_f32(a + (r0 + r) * D + c * 16) * corr[r0 + r];
+        for (int64_t j = 0; j < end; j++)
+            for (int64_t c = 0; c < NC; c++) {
+                const f32x16 v = load_f32(vb + j * D + c * 16);
+                for (int64_t r = 0; r < R; r++) acc[r * NC + c] += s[j * 16 + r0 + r] * v;
+            }
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t c = 0; c < NC; c++)
+                store_f32(a + (r0 + r) * D + c * 16, acc[r * NC + c]);
+    }
+}
+
+INLINE void row_group_any(const float *qt, float *m, float *l, float *a, i32x16 lim,
+                          int64_t cols, const float *kb, const float *vb, float *s,
+                          int64_t nc) {
+    switch (nc) {
+    case 2: row_group(qt, m, l, a, lim, cols, kb, vb, s, 2, 8); break;
+    case 4: row_group(qt, m, l, a, lim, cols, kb, vb, s, 4, 4); break;
+    case 8: row_group(qt, m, l, a, lim, cols, kb, vb, s, 8, 2); break;
+    case 16: row_group(qt, m, l, a, lim, cols, kb, vb, s, 16, 1); break;
+    default:  /* other head sizes: nc not constant */
+        row_group(qt, m, l, a, lim, cols, kb, vb, s, nc, 1);
+    }
+}
+
+/* One work item: chunk tokens [t0, t1) (0-based in the chunk of n tokens starting at batch
+ * token q0), KV head h. Its query rows are token-major (the group's heads within a token),
+ * in groups of 16; padding rows repeat the last row and are not stored. */
+INLINE void prefill_item(
+        const void *q, int64_t q_token_stride, const void *k_cache, const void *v_cache,
+        const int32_t *table, int64_t block_size, int64_t q0, int64_t n, int64_t lo,
+        int64_t hi, int64_t t0, int64_t t1, int64_t h, int64_t num_kv_heads, int64_t group,
+        int64_t head_dim, float scale, void *out, float *lse, const void *init_out,
+        const float *init_lse, const int64_t *init_strides, int bf16) {
+    const int64_t D = head_dim, heads = num_kv_heads * group;
+    const int64_t rows = (t1 - t0) * group, padded = (rows + 15) / 16 * 16;
+    const int64_t key_stride = num_kv_heads * head_dim;
+    /* a key block's widened K and V, one group's scores, then per row: transposed query,
+     * accumulator, max, sum */
+    float *kb = thread_scratch((size_t)(2 * KEY_BLOCK * D + 16 * KEY_BLOCK + 2 * padded * D
+                                        + 2 * padded) + KEYS_PER_STEP * D);
+    if (!kb) return;  /* out of memory: left untouched (the caller's out is unset) */
+    float *vb = kb + (KEY_BLOCK + KEYS_PER_STEP) * D, *s = vb + KEY_BLOCK * D;
+    float *qt = s + 16 * KEY_BLOCK, *a = qt + padded * D, *m = a + padded * D, *l = m + padded;
+    int32_t last[ITEM_ROWS + 16];  /* each row's keys end here (exclusive) */
+    for (int64_t r = 0; r < padded; r++) {
+        const int64_t rr = r < rows ? r : rows - 1;
+        const int64_t i = t0 + rr / group, g = rr % group;
+        const int64_t token = q0 + i, head = h * group + g;
+        last[r] = (int32_t)(hi - n + i + 1);
+        float *qg = qt + (r / 16) * 16 * D + r % 16;
+        for (int64_t d = 0; d < D; d++)
+            qg[d * 16] = element(q, token * q_token_stride + head * D + d, bf16) * scale;
+        const int64_t *os = init_strides, *ls = init_strides + 3;
+        const float init = init_lse ? init_lse[token * ls[0] + h * ls[1] + g * ls[2]]
+                                    : -INFINITY;
+        m[r] = init;
+        l[r] = init == -INFINITY ? 0.f : 1.f;
+        for (int64_t d = 0; d < D; d++)
+            a[r * D + d] = init == -INFINITY ? 0.f
+                : element(init_out, token * os[0] + h * os[1] + g * os[2] + d, bf16);
+    }
+    /* rows KEYS_PER_STEP past a block's end are read by the score loop (and their scores
+     * never used): keep them finite */
+    memset(kb + KEY_BLOCK * D, 0, KEYS_PER_STEP * D * sizeof(float));
+    const int64_t end = last[padded - 1];
+    for (int64_t k0 = lo; k0 < end; k0 += KEY_BLOCK) {
+        const int64_t kn = end - k0 < KEY_BLOCK ? end - k0 : KEY_BLOCK;
+        widen_block(k_cache, v_cache, table, block_size, key_stride, h * D, k0, kn, D, kb, vb,
+                    bf16);
+        for (int64_t g0 = 0; g0 < padded; g0 += 16) {
+            i32x16 lim;
+            for (int64_t r = 0; r < 16; r++) {
+                const int64_t see = last[g0 + r] - k0;
+                lim[r] = (int32_t)(see < 0 ? 0 : see > kn ? kn : see);
+            }
+            if (lim[15] == 0) continue;  /* the group's last row sees the most */
+            row_group_any(qt + g0 * D, m + g0, l + g0, a + g0 * D, lim, lim[15], kb, vb, s,
+                          D / 16);
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t token = q0 + t0 + r / group, head = h * group + r % group;
+        const float inv = l[r] == 0.f ? 0.f : 1.f / l[r];  /* 0: no keys and no init */
+        for (int64_t c = 0; c < D; c += 16)
+            store16(out, token * heads * D + head * D + c, load_f32(a + r * D + c) * inv, bf16);
+        if (lse) lse[token * heads + head] = l[r] == 0.f ? -INFINITY : m[r] + logf(l[r]);
+    }
+}
+
+/* Entry points, one per element type. chunks: num_chunks rows of (s, q0, q1, lo, hi), int32.
+ * q [tokens, heads, head_dim] with rows q_token_stride elements apart; out contiguous in the
+ * same shape; lse (optional) [tokens, heads] float32. init_out [tokens, num_kv_heads, group,
+ * head_dim] and init_lse [tokens, num_kv_heads, group], both or neither, with strides
+ * (token, KV head, group row) os0..os2 and ls0..ls2 (head_dim contiguous). Returns nonzero,
+ * touching nothing, for a shape it does not handle, 2 when out of memory. */
+#define ENTRY(NAME, T, BF16)                                                                  \
+int NAME(const T *q, int64_t q_token_stride, const T *k_cache, const T *v_cache,               \
+         const int32_t *block_tables, int64_t bt_stride, int64_t block_size,                   \
+         const int32_t *chunks, int64_t num_chunks, int64_t num_kv_heads, int64_t group,       \
+         int64_t head_dim, float scale, T *out, float *lse, const T *init_out,                \
+         const float *init_lse, int64_t os0, int64_t os1, int64_t os2, int64_t ls0,            \
+         int64_t ls1, int64_t ls2) {                                                           \
+    const int64_t init_strides[6] = {os0, os1, os2, ls0, ls1, ls2};                           \
+    if (group < 1 || group > MAX_GROUP || head_dim % 16 || head_dim > MAX_HEAD_DIM            \
+        || !init_out != !init_lse)                                                            \
+        return 1;                                                                             \
+    const int64_t per_item = ITEM_ROWS / group > 0 ? ITEM_ROWS / group : 1;                   \
+    int64_t items = 0;                                                                        \
+    for (int64_t c = 0; c < num_chunks; c++)                                                  \
+        items += (chunks[5 * c + 2] - chunks[5 * c + 1] + per_item - 1) / per_item;           \
+    int64_t *item_chunk = malloc(2 * (items + 1) * sizeof(int64_t));                          \
+    if (!item_chunk) return 2;                                                                \
+    int64_t *item_t0 = item_chunk + items + 1;                                                \
+    for (int64_t c = 0, i = 0; c < num_chunks; c++)                                           \
+        for (int64_t t = 0; t < chunks[5 * c + 2] - chunks[5 * c + 1]; t += per_item, i++) {  \
+            item_chunk[i] = c;                                                                \
+            item_t0[i] = t;                                                                   \
+        }                                                                                     \
+    _Pragma("omp parallel for schedule(dynamic, 1)")                                           \
+    for (int64_t it = 0; it < items * num_kv_heads; it++) {                                    \
+        const int64_t i = it / num_kv_heads, h = it % num_kv_heads;                            \
+        const int32_t *ch = chunks + 5 * item_chunk[i];                                        \
+        const int64_t n = ch[2] - ch[1], t0 = item_t0[i];                                      \
+        const int64_t t1 = t0 + per_item < n ? t0 + per_item : n;                              \
+        prefill_item(q, q_token_stride, k_cache, v_cache, block_tables + ch[0] * bt_stride,    \
+                     block_size, ch[1], n, ch[3], ch[4], t0, t1, h, num_kv_heads, group,       \
+                     head_dim, scale, out, lse, init_out, init_lse, init_strides, BF16);       \
+    }                                                                                         \
+    free(item_chunk);                                                                         \
+    return 0;                                                                                 \
+}
+ENTRY(prefill_attn_f32, float, 0)
+ENTRY(prefill_attn_bf16, uint16_t, 1)
