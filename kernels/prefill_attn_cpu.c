@@ -28,6 +28,10 @@
 
 #include "cpu_vec.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #define INLINE static inline __attribute__((always_inline))
 
 #define MAX_GROUP 16
@@ -49,13 +53,51 @@ static float *thread_scratch(size_t floats) {
     return scratch;
 }
 
-/* element i of a float32 (bf16 == 0) or bfloat16 (bf16 == 1) array, as float */
-INLINE float element(const void *base, int64_t i, int bf16) {
-    if (bf16) {
-        const uint32_t w = (uint32_t)((const uint16_t *)base)[i] << 16;
-        float f; memcpy(&f, &w, sizeof f); return f;
-    }
-    return ((const float *)base)[i];
+/* exp(x) for softmax weights (x <= 0 but for rounding): 2^n * 2^f with n = round(x log2 e)
+ * and 2^f, |f| <= 1/2, from its degree-6 Taylor polynomial (relative error ~2e-7 plus
+ * ~3e-8 * |x| from log2 e's rounding). With AVX-512, vscalefps applies 2^n and goes to 0
+ * smoothly below float's range: half the instructions of vexp's clamped Cephes form. x is
+ * held at -150 and above (exp(-inf) is 0); a NaN stays NaN. */
+INLINE f32x16 exp_weight(f32x16 x) {
+#if defined(__AVX512F__)
+    x = vmax((f32x16){0} - 150.f, x);  /* vmax keeps its second argument when it is NaN */
+    const __m512 t = (__m512)(x * 1.44269504088896341f);
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const f32x16 f = (f32x16)_mm512_sub_ps(t, n);
+    f32x16 p = (f32x16){0} + 1.5403530393381609e-4f;   /* ln2^6 / 6! */
+    p = p * f + 1.3333558146428443e-3f;                /* ln2^5 / 5! */
+    p = p * f + 9.6181291076284772e-3f;                /* ln2^4 / 4! */
+    p = p * f + 5.5504108664821580e-2f;                /* ln2^3 / 3! */
+    p = p * f + 2.4022650695910071e-1f;                /* ln2^2 / 2! */
+    p = p * f + 6.9314718055994531e-1f;                /* ln2 */
+    p = p * f + 1.0f;
+    return (f32x16)_mm512_scalef_ps((__m512)p, n);
+#else
+    return vexp(x);
+#endif
+}
+
+/* Transpose 16 vectors in place (x[i][j] <-> x[j][i]): at each level b = 8, 4, 2, 1, rows
+ * i and i + b swap their off-diagonal b-wide blocks. */
+INLINE void transpose16(f32x16 *x) {
+#define UNPAREN(...) __VA_ARGS__
+#define SWAP(B, LO, HI)                                                                      \
+    for (int i = 0; i < 16; i++)                                                             \
+        if (!(i & B)) {                                                                      \
+            const f32x16 lo = x[i], hi = x[i + B];                                           \
+            x[i] = SHUFFLE(lo, hi, UNPAREN LO);                                              \
+            x[i + B] = SHUFFLE(lo, hi, UNPAREN HI);                                          \
+        }
+    SWAP(8, (0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
+            (8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))
+    SWAP(4, (0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27),
+            (4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31))
+    SWAP(2, (0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29),
+            (2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31))
+    SWAP(1, (0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30),
+            (1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31))
+#undef SWAP
+#undef UNPAREN
 }
 
 /* Keys [k0, k0 + n) of the sequence whose block table is table, widened to float32 rows of
@@ -107,11 +149,11 @@ INLINE void row_group(const float *qt, float *m, float *l, float *a, i32x16 lim,
     const f32x16 m_old = load_f32(m), m_new = vmax(m_old, mx);
     /* a row with nothing yet and nothing here keeps corr 1 and weights 0 */
     const i32x16 none = (i32x16)(m_new == neg_inf);
-    const f32x16 corr = vexp((f32x16)((i32x16)(m_old - m_new) & ~none));
+    const f32x16 corr = exp_weight((f32x16)((i32x16)(m_old - m_new) & ~none));
     f32x16 sum = (f32x16){0};
     for (int64_t j = 0; j < cols; j++) {
         const i32x16 valid = ((i32x16){0} + (int32_t)j < lim) & ~none;
-        const f32x16 e = (f32x16)((i32x16)vexp(load_f32(s + j * 16) - m_new) & valid);
+        const f32x16 e = (f32x16)((i32x16)exp_weight(load_f32(s + j * 16) - m_new) & valid);
         store_f32(s + j * 16, e);
         sum += e;
     }
@@ -169,23 +211,31 @@ INLINE void prefill_item(
     float *vb = kb + (KEY_BLOCK + KEYS_PER_STEP) * D, *s = vb + KEY_BLOCK * D;
     float *qt = s + 16 * KEY_BLOCK, *a = qt + padded * D, *m = a + padded * D, *l = m + padded;
     int32_t last[ITEM_ROWS + 16];  /* each row's keys end here (exclusive) */
+    const int64_t *os = init_strides, *ls = init_strides + 3;
     for (int64_t r = 0; r < padded; r++) {
         const int64_t rr = r < rows ? r : rows - 1;
-        const int64_t i = t0 + rr / group, g = rr % group;
-        const int64_t token = q0 + i, head = h * group + g;
+        const int64_t i = t0 + rr / group, g = rr % group, token = q0 + i;
         last[r] = (int32_t)(hi - n + i + 1);
-        float *qg = qt + (r / 16) * 16 * D + r % 16;
-        for (int64_t d = 0; d < D; d++)
-            qg[d * 16] = element(q, token * q_token_stride + head * D + d, bf16) * scale;
-        const int64_t *os = init_strides, *ls = init_strides + 3;
         const float init = init_lse ? init_lse[token * ls[0] + h * ls[1] + g * ls[2]]
                                     : -INFINITY;
         m[r] = init;
         l[r] = init == -INFINITY ? 0.f : 1.f;
-        for (int64_t d = 0; d < D; d++)
-            a[r * D + d] = init == -INFINITY ? 0.f
-                : element(init_out, token * os[0] + h * os[1] + g * os[2] + d, bf16);
+        for (int64_t c = 0; c < D; c += 16)
+            store_f32(a + r * D + c, init == -INFINITY ? (f32x16){0}
+                      : load16(init_out, token * os[0] + h * os[1] + g * os[2] + c, bf16));
     }
+    /* queries, scaled, 16 rows x 16 elements at a time transposed into qt */
+    for (int64_t g0 = 0; g0 < padded; g0 += 16)
+        for (int64_t c = 0; c < D; c += 16) {
+            f32x16 x[16];
+            for (int64_t r = 0; r < 16; r++) {
+                const int64_t rr = g0 + r < rows ? g0 + r : rows - 1;
+                const int64_t token = q0 + t0 + rr / group, head = h * group + rr % group;
+                x[r] = load16(q, token * q_token_stride + head * D + c, bf16) * scale;
+            }
+            transpose16(x);
+            for (int64_t e = 0; e < 16; e++) store_f32(qt + g0 * D + (c + e) * 16, x[e]);
+        }
     /* rows KEYS_PER_STEP past a block's end are read by the score loop (and their scores
      * never used): keep them finite */
     memset(kb + KEY_BLOCK * D, 0, KEYS_PER_STEP * D * sizeof(float));
