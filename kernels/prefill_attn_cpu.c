@@ -11,13 +11,16 @@
  *
  * Unlike a decode, a prompt's keys are read by many query rows (every later token and every
  * query head of the group), so this is a blocked product rather than a walk: a work item
- * is one chunk, one KV head and up to ITEM_ROWS of its query rows. It takes the keys
- * KEY_BLOCK at a time, widened to float32 into thread-local buffers (K transposed, so 16
- * keys' scores come from one vector per head_dim element), and for each pass of a few rows
- * computes their scores, an online softmax step (the running max and sum per row carried
- * across key blocks) and the weighted sum of V, with the pass's accumulators in registers.
- * Rows whose causal limit ends before a 16-key column skip it. float32 throughout, for
- * float32 and bfloat16 caches alike.
+ * is one chunk, one KV head and up to ITEM_ROWS of its query rows (token-major, the
+ * group's heads within a token). It widens the keys to float32 KEY_BLOCK at a time into
+ * thread-local buffers and takes the rows 16 at a time, one row per vector lane: their
+ * queries are stored transposed, so a key's scores for all 16 rows are head_dim
+ * multiply-adds of a query vector by the key's broadcast element, 8 keys at once. The
+ * online softmax (running max and sum per row, carried across key blocks) is vectorised
+ * across the rows too, and the weighted sum of V runs a few rows at a time with their
+ * accumulators in registers. A row group stops at the last key its last row sees; masked
+ * weights are 0. float32 throughout, for float32 and bfloat16 caches alike. (AVX512-BF16's
+ * paired dot product was no faster here: it issues at half the rate of float32 FMAs.)
  *
  * init_out/init_lse (optional): a partial result of the same query rows over other keys
  * (a cascade's shared prefix), merged in by starting each row's softmax from it. */
@@ -36,7 +39,7 @@
 
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
-#define KEY_BLOCK 256   /* keys widened and attended at a time (K^T and V: 2 x 64 KB at 64) */
+#define KEY_BLOCK 256   /* keys widened and attended at a time (K and V: 2 x 64 KB at 64 wide) */
 #define ITEM_ROWS 512   /* query rows per work item, about: the keys are widened once each */
 
 /* Per-thread scratch, grown on demand and kept (torch's OpenMP threads live as long as the
