@@ -32,7 +32,7 @@ class CpuDecodeKernel:
                             (torch.bfloat16, "paged_decode_bf16")):
             fn = getattr(lib, name)
             fn.argtypes = [p, i64, p, p, p, i64, p, p, i64, i64, i64, i64, i64, ctypes.c_float,
-                           p, p, p, p, i64]
+                           p, p, p, p, i64, i64, i64, i64, i64, i64, i64]
             fn.restype = ctypes.c_int
             self._fns[dtype] = fn
         self._checked: tuple[torch.Tensor, ...] | None = None  # last ranges validated
@@ -63,8 +63,9 @@ class CpuDecodeKernel:
         """Attention of query [n, H, D] (one token per sequence; rows may be strided) over
         positions [lo[i], hi[i]) of sequence i. Writes out [n, H, D] (contiguous) and, when
         given, lse [n, H] float32 (natural log-sum-exp of the scaled scores). init, when
-        given, is (out, lse) of the same queries over other keys (shaped as out and lse),
-        and the result is their merge: attention over both sets of keys."""
+        given, is (out [n, Hkv, G, D], lse [n, Hkv, G]) of the same queries over other keys
+        (any strides but along head_dim), and the result is their merge: attention over
+        both sets of keys."""
         n, num_heads, head_dim = query.shape
         num_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
         group = num_heads // num_kv_heads
@@ -80,11 +81,13 @@ class CpuDecodeKernel:
                 and block_tables.shape[0] >= n
                 and lo.dtype == hi.dtype == torch.int32 and lo.is_contiguous()
                 and hi.is_contiguous() and lo.numel() == hi.numel() == n
-                and all(t is None or (t.dtype == torch.float32 and t.is_contiguous()
-                                      and t.numel() == n * num_heads)
-                        for t in (lse, init[1] if init else None))
-                and (init is None or (init[0].dtype == query.dtype and init[0].is_contiguous()
-                                      and init[0].shape == query.shape
+                and (lse is None or (lse.dtype == torch.float32 and lse.is_contiguous()
+                                     and lse.numel() == n * num_heads))
+                and (init is None or (init[0].dtype == query.dtype
+                                      and init[0].shape == (n, num_kv_heads, group, head_dim)
+                                      and init[0].stride(3) == 1
+                                      and init[1].dtype == torch.float32
+                                      and init[1].shape == (n, num_kv_heads, group)
                                       and all(t.device.type == "cpu" for t in init)))):
             raise ValueError("cpu decode kernel: arguments out of contract")
         self._check_ranges(block_tables, lo, hi, n, num_blocks, block_size)
@@ -97,7 +100,8 @@ class CpuDecodeKernel:
             n, num_kv_heads, group, head_dim, block_size, scale, out.data_ptr(),
             lse.data_ptr() if lse is not None else None,
             init[0].data_ptr() if init else None, init[1].data_ptr() if init else None,
-            heads_per_item)
+            *(init[0].stride()[:3] if init else (0, 0, 0)),
+            *(init[1].stride() if init else (0, 0, 0)), heads_per_item)
         if rc != 0:
             raise ValueError(f"cpu decode kernel rejected group={group} head_dim={head_dim}")
 

@@ -132,6 +132,10 @@ INLINE f32x16 softmax_step(
     return e;
 }
 
+/* Where a pass's first row finds its partial result (elements into init_out, init_lse),
+ * and how far apart its rows' are. */
+typedef struct { int64_t out, out_step, lse, lse_step; } init_at;
+
 /* Query rows [r0, r0 + G) of sequence t, all reading KV head h, over keys [lo, hi). Inlined
  * with constant nc (head_dim / 16) and G wherever a case exists for them (see walk()), so
  * the rows' queries, accumulators and softmax state stay in registers for the whole walk
@@ -142,7 +146,7 @@ INLINE void walk_rows(
         const void *q, int64_t q0, const void *k_cache, const void *v_cache,
         const int32_t *table, int64_t lo, int64_t hi, int64_t block_size, int64_t key_stride,
         int64_t head_off, float scale, void *out, float *lse, const void *init_out,
-        const float *init_lse, int64_t o_row0, const int64_t nc, const int64_t G,
+        const float *init_lse, init_at at, int64_t o_row0, const int64_t nc, const int64_t G,
         const int bf16) {
     const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     const int64_t head_dim = nc * 16, span = head_dim * (bf16 ? 2 : 4);
@@ -150,11 +154,11 @@ INLINE void walk_rows(
     for (int64_t g = 0; g < G; g++) {
         /* a partial result enters as its (normalised) output with weight 1 at its
          * log-sum-exp; one over no keys (-inf) as nothing */
-        const float init = init_lse ? init_lse[o_row0 + g] : -INFINITY;
+        const float init = init_lse ? init_lse[at.lse + g * at.lse_step] : -INFINITY;
         load_row(q, q0 + g * head_dim, qr + g * nc, nc, bf16);
         for (int64_t c = 0; c < nc; c++) qr[g * nc + c] *= scale;
         if (init != -INFINITY)
-            load_row(init_out, (o_row0 + g) * head_dim, a + g * nc, nc, bf16);
+            load_row(init_out, at.out + g * at.out_step, a + g * nc, nc, bf16);
         else
             for (int64_t c = 0; c < nc; c++) a[g * nc + c] = (f32x16){0};
         m[g] = (f32x16){0} + init;
@@ -220,10 +224,11 @@ INLINE void walk(
         const void *q, int64_t q0, const void *k_cache, const void *v_cache,
         const int32_t *table, int64_t lo, int64_t hi, int64_t block_size, int64_t key_stride,
         int64_t head_off, float scale, void *out, float *lse, const void *init_out,
-        const float *init_lse, int64_t o_row0, int64_t nc, int64_t rows, const int bf16) {
+        const float *init_lse, init_at at, int64_t o_row0, int64_t nc, int64_t rows,
+        const int bf16) {
 #define WALK(NC, G) walk_rows(q, q0, k_cache, v_cache, table, lo, hi, block_size,      \
                               key_stride, head_off, scale, out, lse, init_out, init_lse, \
-                              o_row0, NC, G, bf16)
+                              at, o_row0, NC, G, bf16)
     switch (nc * 16 + rows) {
     case 2 * 16 + 1: WALK(2, 1); break;
     case 2 * 16 + 2: WALK(2, 2); break;
@@ -236,10 +241,13 @@ INLINE void walk(
     case 8 * 16 + 2: WALK(8, 2); break;
     case 16 * 16 + 1: WALK(16, 1); break;
     default:  /* other head sizes: one row at a time, nc not constant */
-        for (int64_t g = 0; g < rows; g++)
+        for (int64_t g = 0; g < rows; g++) {
+            const init_at row = {at.out + g * at.out_step, at.out_step,
+                                 at.lse + g * at.lse_step, at.lse_step};
             walk_rows(q, q0 + g * nc * 16, k_cache, v_cache, table, lo, hi, block_size,
-                      key_stride, head_off, scale, out, lse, init_out, init_lse, o_row0 + g,
-                      nc, 1, bf16);
+                      key_stride, head_off, scale, out, lse, init_out, init_lse, row,
+                      o_row0 + g, nc, 1, bf16);
+        }
     }
 #undef WALK
 }
@@ -250,15 +258,17 @@ INLINE void decode_item(
         const int32_t *table, int64_t lo, int64_t hi, int64_t t, int64_t h0, int64_t nh,
         int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
         float scale, void *out, float *lse, const void *init_out, const float *init_lse,
-        int bf16) {
+        const int64_t *is, int bf16) {
     const int64_t nc = head_dim / 16, key_stride = num_kv_heads * head_dim;
     const int64_t per_pass = pass_rows(nc);
     for (int64_t h = h0; h < h0 + nh; h++)
         for (int64_t r0 = 0; r0 < group; r0 += per_pass) {
             const int64_t rows = group - r0 < per_pass ? group - r0 : per_pass;
+            const init_at at = {t * is[0] + h * is[1] + r0 * is[2], is[2],
+                                t * is[3] + h * is[4] + r0 * is[5], is[5]};
             walk(q, t * q_token_stride + (h * group + r0) * head_dim, k_cache, v_cache, table,
                  lo, hi, block_size, key_stride, h * head_dim, scale, out, lse, init_out,
-                 init_lse, (t * num_kv_heads + h) * group + r0, nc, rows, bf16);
+                 init_lse, at, (t * num_kv_heads + h) * group + r0, nc, rows, bf16);
         }
 }
 
@@ -270,16 +280,20 @@ INLINE int unsupported(int64_t group, int64_t head_dim, int64_t heads_per_item) 
 /* Entry points, one per element type (each with its own parallel loop, so the element type
  * is a constant inside it). q [num_seqs, num_kv_heads * group, head_dim] with rows
  * q_token_stride elements apart; out contiguous in the same shape; lse (optional)
- * [num_seqs, heads]. init_out and init_lse (optional, both or neither; shaped as out and
- * lse) are a partial result over other keys to merge with: a cascade's shared prefix.
+ * [num_seqs, heads]. init_out [num_seqs, num_kv_heads, group, head_dim] and init_lse
+ * [num_seqs, num_kv_heads, group] (optional, both or neither; strides by sequence, KV head
+ * and group row os0..os2 and ls0..ls2, head_dim contiguous) are a partial result over other
+ * keys to merge with: a cascade's shared prefix, as the shared product left it.
  * Returns nonzero, touching nothing, for a shape it does not handle. */
 #define ENTRY(NAME, T, BF16)                                                                  \
 int NAME(const T *q, int64_t q_token_stride, const T *k_cache, const T *v_cache,               \
          const int32_t *block_tables, int64_t bt_stride, const int32_t *lo, const int32_t *hi, \
          int64_t num_seqs, int64_t num_kv_heads, int64_t group, int64_t head_dim,              \
          int64_t block_size, float scale, T *out, float *lse, const T *init_out,              \
-         const float *init_lse, int64_t heads_per_item) {                                     \
+         const float *init_lse, int64_t os0, int64_t os1, int64_t os2, int64_t ls0,            \
+         int64_t ls1, int64_t ls2, int64_t heads_per_item) {                                   \
     if (unsupported(group, head_dim, heads_per_item) || !init_out != !init_lse) return 1;     \
+    const int64_t init_strides[6] = {os0, os1, os2, ls0, ls1, ls2};                           \
     const int64_t splits = (num_kv_heads + heads_per_item - 1) / heads_per_item;               \
     _Pragma("omp parallel for schedule(dynamic, 1)")                                           \
     for (int64_t item = 0; item < num_seqs * splits; item++) {                                 \
@@ -288,7 +302,7 @@ int NAME(const T *q, int64_t q_token_stride, const T *k_cache, const T *v_cache,
                                                               : heads_per_item;                \
         decode_item(q, q_token_stride, k_cache, v_cache, block_tables + t * bt_stride, lo[t],  \
                     hi[t], t, h0, nh, num_kv_heads, group, head_dim, block_size, scale, out,   \
-                    lse, init_out, init_lse, BF16);                                            \
+                    lse, init_out, init_lse, init_strides, BF16);                              \
     }                                                                                          \
     return 0;                                                                                  \
 }

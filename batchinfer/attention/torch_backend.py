@@ -302,10 +302,8 @@ class TorchAttention:
         if plan.decode_bounds is not None:
             lo, hi = plan.decode_bounds
             nd = lo.numel()
-            init = None
-            if cascade:  # the kernel starts from the shared part's result and merges it
-                init = (shared[:nd].reshape(nd, num_heads, head_dim).contiguous(),
-                        shared_lse[:nd].reshape(nd, num_heads).contiguous())
+            # the kernel starts from the shared part's result, read where it lies, and merges it
+            init = (shared[:nd], shared_lse[:nd]) if cascade else None
             kernel(query[:nd], k_cache, v_cache, meta.block_tables, lo, hi, scale,
                    out_heads[:nd], None, init)
             merged = nd

@@ -82,8 +82,8 @@ def test_matches_reference(kernel, paged_batch, dtype, tol, num_kv_heads, group,
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 def test_merges_a_partial_result_over_other_keys(kernel, paged_batch, dtype, tol):
-    """init = (out, lse) over keys [0, mid): the result is attention over [0, hi), as when
-    a cascade's shared prefix is merged in; an init lse of -inf adds nothing."""
+    """init = (out, lse) over keys [0, mid), strided: the result is attention over [0, hi),
+    as when a cascade's shared prefix is merged in; an init lse of -inf adds nothing."""
     seq_lens = [33, 100, 257, 64, 17]
     mid = [16, 37, 128, 0, 16]
     batch = paged_batch(seq_lens, [1] * len(seq_lens), block_size=16, num_kv_heads=3,
@@ -91,17 +91,22 @@ def test_merges_a_partial_result_over_other_keys(kernel, paged_batch, dtype, tol
     first_out, first_lse = run(kernel, batch, [0] * len(seq_lens), mid)
     first_lse[3] = float("-inf")  # no keys before mid: the row's own part alone
     n = len(seq_lens)
+    # laid out as the cascade's shared product leaves it: KV head major, so strided
+    init_out = torch.empty(3, n, 3, 64, dtype=dtype).transpose(0, 1)
+    init_lse = torch.empty(3, 3, n).permute(2, 0, 1)
+    init_out.copy_(first_out.view(n, 3, 3, 64))
+    init_lse.copy_(first_lse.view(n, 3, 3))
     out = torch.empty_like(batch.query)
     kernel(batch.query, batch.k_cache, batch.v_cache, batch.meta.block_tables[:n],
            torch.tensor(mid, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32),
-           0.3, out, None, (first_out, first_lse))
+           0.3, out, None, (init_out, init_lse))
     ref_out, _ = reference(batch.query, batch.k_cache, batch.v_cache, batch.meta.block_tables,
                            [0] * n, seq_lens, 0.3)
     torch.testing.assert_close(out.double(), ref_out, atol=tol, rtol=tol)
     with pytest.raises(ValueError, match="out of contract"):
         kernel(batch.query, batch.k_cache, batch.v_cache, batch.meta.block_tables[:n],
                torch.tensor(mid, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32),
-               0.3, out, None, (first_out, first_lse[:2]))
+               0.3, out, None, (first_out.view(n, 3, 3, 64), first_lse[:2].view(2, 3, 3)))
 
 
 @pytest.mark.parametrize("num_threads", [1, 2])
