@@ -20,7 +20,9 @@
  * across the rows too, and the weighted sum of V runs a few rows at a time with their
  * accumulators in registers. A row group stops at the last key its last row sees; masked
  * weights are 0. float32 throughout, for float32 and bfloat16 caches alike. (AVX512-BF16's
- * paired dot product was no faster here: it issues at half the rate of float32 FMAs.)
+ * paired dot product was no faster here: it issues at half the rate of float32 FMAs; AMX
+ * tiles for the two products gained about 1% end to end, the softmax between them being
+ * most of the work.)
  *
  * init_out/init_lse (optional): a partial result of the same query rows over other keys
  * (a cascade's shared prefix), merged in by starting each row's softmax from it. */
@@ -58,12 +60,14 @@ static float *thread_scratch(size_t floats) {
 
 /* exp(x) for softmax weights (x <= 0 but for rounding): 2^n * 2^f with n = round(x log2 e)
  * and 2^f, |f| <= 1/2, from its degree-6 Taylor polynomial (relative error ~2e-7 plus
- * ~3e-8 * |x| from log2 e's rounding). With AVX-512, vscalefps applies 2^n and goes to 0
- * smoothly below float's range: half the instructions of vexp's clamped Cephes form. x is
- * held at -150 and above (exp(-inf) is 0); a NaN stays NaN. */
+ * ~3e-8 * |x| from log2 e's rounding). With AVX-512, vscalefps applies 2^n: half the
+ * instructions of vexp's clamped Cephes form. x is held at -87 and above, so exp(-inf) is
+ * about 1.6e-38, not 0 (callers zero masked weights themselves, and a rescale that small
+ * vanishes in float32 sums); a NaN stays NaN. */
 INLINE f32x16 exp_weight(f32x16 x) {
 #if defined(__AVX512F__)
-    x = vmax((f32x16){0} - 150.f, x);  /* vmax keeps its second argument when it is NaN */
+    /* results stay normal floats: a denormal one takes a microcode assist (~100 cycles) */
+    x = vmax((f32x16){0} - 87.f, x);  /* vmax keeps its second argument when it is NaN */
     const __m512 t = (__m512)(x * 1.44269504088896341f);
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const f32x16 f = (f32x16)_mm512_sub_ps(t, n);

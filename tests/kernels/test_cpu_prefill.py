@@ -153,9 +153,10 @@ def test_strided_query_rows(kernel, paged_batch):
     torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=2e-5)
 
 
-def test_a_nan_key_in_range_shows_in_the_output(kernel, paged_batch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_nan_key_in_range_shows_in_the_output(kernel, paged_batch, dtype):
     batch = paged_batch([40], [40], block_size=16, num_kv_heads=1, group=2, head_dim=32,
-                        dtype=torch.float32, device=CPU)
+                        dtype=dtype, device=CPU)
     block = int(batch.meta.block_tables[0, 1])
     batch.k_cache[block, 3, 0, 5] = float("nan")  # position 19
     out, _ = run(kernel, batch, chunks_of(batch, [0]))
