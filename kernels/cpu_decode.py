@@ -40,9 +40,10 @@ class CpuDecodeKernel:
     def _check_ranges(self, block_tables, lo, hi, n, num_blocks, block_size) -> None:
         """Every position read lies in the block table and every block id in the cache.
         The same tensors are passed for every layer of a step: checked once per step."""
-        key = (block_tables, lo, hi)
-        if self._checked is not None and all(a is b for a, b in zip(key, self._checked)):
-            return
+        key = (block_tables, lo, hi, n, num_blocks, block_size)
+        if self._checked is not None and all(a is b for a, b in zip(key[:3], self._checked)) \
+                and key[3:] == self._checked[3:]:
+            return  # (the plan's tensors are not modified in place between layers)
         if n and not (int(lo.min()) >= 0 and bool((hi >= lo).all())
                       and int(hi.max()) <= block_tables.shape[1] * block_size
                       and int(block_tables[:n].min()) >= 0
@@ -53,7 +54,7 @@ class CpuDecodeKernel:
     def supports(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
                  head_dim: int) -> bool:
         group = num_heads // num_kv_heads
-        return (dtype in self._fns and head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM
+        return (dtype in self._fns and head_dim % 16 == 0 and 0 < head_dim <= MAX_HEAD_DIM
                 and 1 <= group <= MAX_GROUP)
 
     def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -36,22 +36,22 @@ class CpuPrefillKernel:
                            p, p, p, p, i64, i64, i64, i64, i64, i64]
             fn.restype = ctypes.c_int
             self._fns[dtype] = fn
-        self._checked: tuple[torch.Tensor, torch.Tensor, int, int] | None = None
+        self._checked: tuple[torch.Tensor, torch.Tensor, int, int, int] | None = None
 
     def supports(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
                  head_dim: int) -> bool:
         group = num_heads // num_kv_heads
-        return (dtype in self._fns and head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM
+        return (dtype in self._fns and head_dim % 16 == 0 and 0 < head_dim <= MAX_HEAD_DIM
                 and 1 <= group <= MAX_GROUP and num_heads == group * num_kv_heads)
 
     def _check_chunks(self, chunks: torch.Tensor, block_tables: torch.Tensor, num_tokens: int,
                       num_blocks: int, block_size: int) -> None:
         """Every chunk's tokens lie in the batch and every key it reads in its block table
         and the cache. The same chunks serve every layer of a step: checked once per step."""
-        key = (chunks, block_tables, num_tokens, num_blocks)
+        key = (chunks, block_tables, num_tokens, num_blocks, block_size)
         if self._checked is not None and self._checked[0] is chunks \
                 and self._checked[1] is block_tables and self._checked[2:] == key[2:]:
-            return
+            return  # (the plan's tensors are not modified in place between layers)
         if chunks.numel():
             s, q0, q1, lo, hi = chunks.long().unbind(1)
 
@@ -60,8 +60,10 @@ class CpuPrefillKernel:
                 used = torch.arange(block_tables.shape[1])[None, :] * block_size < hi[:, None]
                 return bool(((rows >= 0) & (rows < num_blocks) | ~used).all())
 
-            # each token sees at least one key: its own
+            # each token sees at least one key (its own); no two chunks write the same rows
+            order = torch.argsort(q0)
             if not (int(s.min()) >= 0 and int(s.max()) < block_tables.shape[0]
+                    and bool((q0[order][1:] >= q1[order][:-1]).all())
                     and int(q0.min()) >= 0 and bool((q1 > q0).all())
                     and int(q1.max()) <= num_tokens and int(lo.min()) >= 0
                     and bool((hi - (q1 - q0) >= lo).all())

@@ -19,7 +19,9 @@
  * online softmax (running max and sum per row, carried across key blocks) is vectorised
  * across the rows too, and the weighted sum of V runs a few rows at a time with their
  * accumulators in registers. A row group stops at the last key its last row sees; masked
- * weights are 0. float32 throughout, for float32 and bfloat16 caches alike. (AVX512-BF16's
+ * weights are 0 (so a NaN or inf value at a key a row cannot see still reaches it, as 0 x
+ * NaN, when another row of its pass sees that key; torch's flash kernel spreads such a
+ * value to its whole block of rows). float32 throughout, for float32 and bfloat16 caches alike. (AVX512-BF16's
  * paired dot product was no faster here: it issues at half the rate of float32 FMAs; AMX
  * tiles for the two products gained about 1% end to end, the softmax between them being
  * most of the work.)
@@ -27,6 +29,7 @@
  * init_out/init_lse (optional): a partial result of the same query rows over other keys
  * (a cascade's shared prefix), merged in by starting each row's softmax from it. */
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -44,18 +47,35 @@
 #define KEY_BLOCK 256   /* keys widened and attended at a time (K and V: 2 x 64 KB at 64 wide) */
 #define ITEM_ROWS 512   /* query rows per work item, about: the keys are widened once each */
 
-/* Per-thread scratch, grown on demand and kept (torch's OpenMP threads live as long as the
- * process), so a call does not map fresh pages for it. */
-static __thread float *scratch;
-static __thread size_t scratch_floats;
+/* Per-thread scratch, grown on demand and kept while the thread lives (torch's OpenMP
+ * threads live as long as the process), so a call does not map fresh pages for it; freed
+ * when a thread that called in exits. NULL when out of memory. */
+struct scratch { float *p; size_t floats; };
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+
+static void scratch_free(void *v) {
+    struct scratch *s = v;
+    free(s->p);
+    free(s);
+}
+static void scratch_key_create(void) { pthread_key_create(&scratch_key, scratch_free); }
 
 static float *thread_scratch(size_t floats) {
-    if (floats > scratch_floats) {
-        free(scratch);
-        scratch = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
-        scratch_floats = scratch ? floats : 0;
+    pthread_once(&scratch_once, scratch_key_create);
+    struct scratch *s = pthread_getspecific(scratch_key);
+    if (!s) {
+        if (!(s = calloc(1, sizeof *s)) || pthread_setspecific(scratch_key, s)) {
+            free(s);
+            return NULL;
+        }
     }
-    return scratch;
+    if (floats > s->floats) {
+        free(s->p);
+        s->p = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+        s->floats = s->p ? floats : 0;
+    }
+    return s->p;
 }
 
 /* exp(x) for softmax weights (x <= 0 but for rounding): 2^n * 2^f with n = round(x log2 e)
@@ -201,7 +221,7 @@ INLINE void row_group_any(const float *qt, float *m, float *l, float *a, i32x16 
 /* One work item: chunk tokens [t0, t1) (0-based in the chunk of n tokens starting at batch
  * token q0), KV head h. Its query rows are token-major (the group's heads within a token),
  * in groups of 16; padding rows repeat the last row and are not stored. */
-INLINE void prefill_item(
+INLINE int prefill_item(
         const void *q, int64_t q_token_stride, const void *k_cache, const void *v_cache,
         const int32_t *table, int64_t block_size, int64_t q0, int64_t n, int64_t lo,
         int64_t hi, int64_t t0, int64_t t1, int64_t h, int64_t num_kv_heads, int64_t group,
@@ -213,9 +233,12 @@ INLINE void prefill_item(
     /* a key block's widened K and V, one group's scores, then per row: transposed query,
      * accumulator, max, sum */
     float *kb = thread_scratch((size_t)(2 * KEY_BLOCK * D + 16 * KEY_BLOCK + 2 * padded * D
-                                        + 2 * padded) + KEYS_PER_STEP * D);
-    if (!kb) return;  /* out of memory: left untouched (the caller's out is unset) */
-    float *vb = kb + (KEY_BLOCK + KEYS_PER_STEP) * D, *s = vb + KEY_BLOCK * D;
+                                        + 2 * padded));
+    if (!kb) return 1;  /* out of memory */
+    /* the score loop reads keys up to the block's count rounded up to 8 (at most
+     * KEY_BLOCK): rows past the count hold whatever was there before, and their scores are
+     * masked */
+    float *vb = kb + KEY_BLOCK * D, *s = vb + KEY_BLOCK * D;
     float *qt = s + 16 * KEY_BLOCK, *a = qt + padded * D, *m = a + padded * D, *l = m + padded;
     int32_t last[ITEM_ROWS + 16];  /* each row's keys end here (exclusive) */
     const int64_t *os = init_strides, *ls = init_strides + 3;
@@ -243,9 +266,6 @@ INLINE void prefill_item(
             transpose16(x);
             for (int64_t e = 0; e < 16; e++) store_f32(qt + g0 * D + (c + e) * 16, x[e]);
         }
-    /* rows KEYS_PER_STEP past a block's end are read by the score loop (and their scores
-     * never used): keep them finite */
-    memset(kb + KEY_BLOCK * D, 0, KEYS_PER_STEP * D * sizeof(float));
     const int64_t end = last[padded - 1];
     for (int64_t k0 = lo; k0 < end; k0 += KEY_BLOCK) {
         const int64_t kn = end - k0 < KEY_BLOCK ? end - k0 : KEY_BLOCK;
@@ -269,6 +289,7 @@ INLINE void prefill_item(
             store16(out, token * heads * D + head * D + c, load_f32(a + r * D + c) * inv, bf16);
         if (lse) lse[token * heads + head] = l[r] == 0.f ? -INFINITY : m[r] + logf(l[r]);
     }
+    return 0;
 }
 
 /* Entry points, one per element type. chunks: num_chunks rows of (s, q0, q1, lo, hi), int32.
@@ -276,7 +297,8 @@ INLINE void prefill_item(
  * same shape; lse (optional) [tokens, heads] float32. init_out [tokens, num_kv_heads, group,
  * head_dim] and init_lse [tokens, num_kv_heads, group], both or neither, with strides
  * (token, KV head, group row) os0..os2 and ls0..ls2 (head_dim contiguous). Returns nonzero,
- * touching nothing, for a shape it does not handle, 2 when out of memory. */
+ * touching nothing, for a shape it does not handle; 2 when out of memory (out then holds
+ * the rows of the items that ran). */
 #define ENTRY(NAME, T, BF16)                                                                  \
 int NAME(const T *q, int64_t q_token_stride, const T *k_cache, const T *v_cache,               \
          const int32_t *block_tables, int64_t bt_stride, int64_t block_size,                   \
@@ -285,7 +307,8 @@ int NAME(const T *q, int64_t q_token_stride, const T *k_cache, const T *v_cache,
          const float *init_lse, int64_t os0, int64_t os1, int64_t os2, int64_t ls0,            \
          int64_t ls1, int64_t ls2) {                                                           \
     const int64_t init_strides[6] = {os0, os1, os2, ls0, ls1, ls2};                           \
-    if (group < 1 || group > MAX_GROUP || head_dim % 16 || head_dim > MAX_HEAD_DIM            \
+    if (group < 1 || group > MAX_GROUP || head_dim < 16 || head_dim % 16                     \
+        || head_dim > MAX_HEAD_DIM                                                            \
         || !init_out != !init_lse)                                                            \
         return 1;                                                                             \
     const int64_t per_item = ITEM_ROWS / group > 0 ? ITEM_ROWS / group : 1;                   \
@@ -295,6 +318,7 @@ int NAME(const T *q, int64_t q_token_stride, const T *k_cache, const T *v_cache,
     int64_t *item_chunk = malloc(2 * (items + 1) * sizeof(int64_t));                          \
     if (!item_chunk) return 2;                                                                \
     int64_t *item_t0 = item_chunk + items + 1;                                                \
+    int failed = 0;  /* a work item could not get its scratch */                              \
     for (int64_t c = 0, i = 0; c < num_chunks; c++)                                           \
         for (int64_t t = 0; t < chunks[5 * c + 2] - chunks[5 * c + 1]; t += per_item, i++) {  \
             item_chunk[i] = c;                                                                \
@@ -306,12 +330,13 @@ int NAME(const T *q, int64_t q_token_stride, const T *k_cache, const T *v_cache,
         const int32_t *ch = chunks + 5 * item_chunk[i];                                        \
         const int64_t n = ch[2] - ch[1], t0 = item_t0[i];                                      \
         const int64_t t1 = t0 + per_item < n ? t0 + per_item : n;                              \
-        prefill_item(q, q_token_stride, k_cache, v_cache, block_tables + ch[0] * bt_stride,    \
-                     block_size, ch[1], n, ch[3], ch[4], t0, t1, h, num_kv_heads, group,       \
-                     head_dim, scale, out, lse, init_out, init_lse, init_strides, BF16);       \
+        if (prefill_item(q, q_token_stride, k_cache, v_cache, block_tables + ch[0] * bt_stride, \
+                         block_size, ch[1], n, ch[3], ch[4], t0, t1, h, num_kv_heads, group,   \
+                         head_dim, scale, out, lse, init_out, init_lse, init_strides, BF16))   \
+            __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);                                    \
     }                                                                                         \
     free(item_chunk);                                                                         \
-    return 0;                                                                                 \
+    return failed ? 2 : 0;                                                                    \
 }
 ENTRY(prefill_attn_f32, float, 0)
 ENTRY(prefill_attn_bf16, uint16_t, 1)

@@ -156,7 +156,18 @@ def test_rejects_arguments_out_of_contract(kernel, paged_batch):
     batch.meta.block_tables[0, 0] = batch.k_cache.shape[0]
     with pytest.raises(ValueError, match="outside the cache"):
         run(kernel, batch, [0], [20])
+    # the check is made once per step (the same tensors serve every layer), but not
+    # skipped for a cache of another block size, where the table covers fewer positions
+    batch.meta.block_tables[0, 0] = 1
+    tables, lo, hi = batch.meta.block_tables[:1], torch.tensor([0], dtype=torch.int32), \
+        torch.tensor([20], dtype=torch.int32)
+    out = torch.empty_like(batch.query)
+    kernel(batch.query, batch.k_cache, batch.v_cache, tables, lo, hi, 0.3, out, None)
+    small = torch.zeros(batch.k_cache.shape[0], 4, 2, 32)
+    with pytest.raises(ValueError, match="outside the cache"):
+        kernel(batch.query, small, small.clone(), tables, lo, hi, 0.3, out, None)
     assert not kernel.supports(torch.float16, 4, 2, 32)
+    assert not kernel.supports(torch.float32, 4, 2, 0)
     assert not kernel.supports(torch.float32, 4, 2, 40)   # head_dim not a multiple of 16
     assert not kernel.supports(torch.float32, 64, 2, 32)  # 32 query heads per KV head
 

@@ -183,6 +183,9 @@ def test_rejects_arguments_out_of_contract(kernel, paged_batch):
         [0, 20, 26, 0, 30],         # tokens past the batch
         [0, 5, 5, 0, 20],           # no tokens
     )
+    with pytest.raises(ValueError, match="outside the batch or the cache"):  # rows overlap
+        run(kernel, batch, torch.tensor([[1, 20, 25, 0, 30], [0, 0, 21, 0, 21]],
+                                        dtype=torch.int32))
     for row in bad_rows:
         with pytest.raises(ValueError, match="outside the batch or the cache"):
             run(kernel, batch, torch.tensor([row], dtype=torch.int32))
@@ -192,3 +195,17 @@ def test_rejects_arguments_out_of_contract(kernel, paged_batch):
     assert not kernel.supports(torch.float16, 4, 2, 32)
     assert not kernel.supports(torch.float32, 4, 2, 40)   # head_dim not a multiple of 16
     assert not kernel.supports(torch.float32, 64, 2, 32)  # 32 query heads per KV head
+
+
+def test_a_smaller_block_size_is_checked_again(kernel, paged_batch):
+    """The checks are cached per step (the same chunks and block tables serve every
+    layer), but not across caches of another block size, where the same table covers
+    fewer positions."""
+    batch = paged_batch([40], [40], block_size=16, num_kv_heads=1, group=2, head_dim=32,
+                        dtype=torch.float32, device=CPU)
+    chunks = chunks_of(batch, [0])
+    run(kernel, batch, chunks)
+    small = torch.zeros(batch.k_cache.shape[0], 4, 1, 32)
+    with pytest.raises(ValueError, match="outside the batch or the cache"):
+        kernel(batch.query, small, small.clone(), batch.meta.block_tables, chunks, 0.3,
+               torch.empty_like(batch.query))
