@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from batchinfer.kernels import cpu_decode, cpu_prefill
+
 from .metadata import AttentionMetadata
 
 
@@ -108,23 +110,12 @@ class TorchAttention:
         self._buffers: dict[str, torch.Tensor] = {}
         self._use_cpu_kernel = use_cpu_kernel
 
-    def _decode_kernel(self, query: torch.Tensor, num_kv_heads: int):
-        """The C decode kernel when it applies to this device, dtype and head shape."""
+    def _cpu_kernel(self, module, query: torch.Tensor, num_kv_heads: int):
+        """module's C kernel (cpu_decode or cpu_prefill; built on first use) when it applies
+        to this device, dtype and head shape."""
         if not self._use_cpu_kernel or query.device.type != "cpu":
             return None
-        from batchinfer.kernels import cpu_decode
-        kernel = cpu_decode.load()
-        if kernel is None or not kernel.supports(query.dtype, query.shape[1], num_kv_heads,
-                                                 query.shape[2]):
-            return None
-        return kernel
-
-    def _prefill_kernel(self, query: torch.Tensor, num_kv_heads: int):
-        """The C prefill kernel when it applies to this device, dtype and head shape."""
-        if not self._use_cpu_kernel or query.device.type != "cpu":
-            return None
-        from batchinfer.kernels import cpu_prefill
-        kernel = cpu_prefill.load()
+        kernel = module.load()
         if kernel is None or not kernel.supports(query.dtype, query.shape[1], num_kv_heads,
                                                  query.shape[2]):
             return None
@@ -261,8 +252,8 @@ class TorchAttention:
         group = num_heads // num_kv_heads
         k_flat = k_cache.view(-1, num_kv_heads, head_dim)
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-        kernel = self._decode_kernel(query, num_kv_heads)
-        prefill_kernel = self._prefill_kernel(query, num_kv_heads) if kernel else None
+        kernel = self._cpu_kernel(cpu_decode, query, num_kv_heads)
+        prefill_kernel = self._cpu_kernel(cpu_prefill, query, num_kv_heads) if kernel else None
         plan = self._plan(meta, sliding_window, query.dtype, kernel is not None,
                           prefill_kernel is not None)
         cascade = plan.shared_slots is not None
