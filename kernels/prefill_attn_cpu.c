@@ -19,12 +19,14 @@
  * online softmax (running max and sum per row, carried across key blocks) is vectorised
  * across the rows too, and the weighted sum of V runs a few rows at a time with their
  * accumulators in registers. A row group stops at the last key its last row sees; masked
- * weights are 0 (so a NaN or inf value at a key a row cannot see still reaches it, as 0 x
- * NaN, when another row of its pass sees that key; torch's flash kernel spreads such a
- * value to its whole block of rows). float32 throughout, for float32 and bfloat16 caches alike. (AVX512-BF16's
- * paired dot product was no faster here: it issues at half the rate of float32 FMAs; AMX
- * tiles for the two products gained about 1% end to end, the softmax between them being
- * most of the work.)
+ * weights are 0 (so a NaN or inf value at a key a row cannot see still reaches it, as
+ * 0 x NaN, when another row of its pass sees that key; torch's flash kernel spreads such a
+ * value to its whole block of rows).
+ *
+ * float32 throughout, for float32 and bfloat16 caches alike. AVX512-BF16's paired dot
+ * product was no faster here (it issues at half the rate of float32 FMAs), and AMX tiles
+ * for the two products gained about 1% end to end: the softmax between them is most of
+ * the work.
  *
  * init_out/init_lse (optional): a partial result of the same query rows over other keys
  * (a cascade's shared prefix), merged in by starting each row's softmax from it. */
