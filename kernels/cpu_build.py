@@ -15,6 +15,7 @@ to plain torch.
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -94,6 +95,17 @@ def _compile(compiler: list[str], source: Path, runtime: str, target: Path) -> N
             if done.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")
         os.replace(lib, target)
+
+
+def entry_points(lib: ctypes.CDLL, names: dict[torch.dtype, str], argtypes: list,
+                 restype) -> dict[torch.dtype, Callable]:
+    """The library's functions named per element type, with their C signature set."""
+    fns = {}
+    for dtype, name in names.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
+        fns[dtype] = fn
+    return fns
 
 
 def build(source: Path) -> Path | None:

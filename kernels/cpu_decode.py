@@ -25,16 +25,12 @@ class CpuDecodeKernel:
 
     def __init__(self, path: Path):
         self.path = path
-        lib = ctypes.CDLL(str(path))
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._fns = {}
-        for dtype, name in ((torch.float32, "paged_decode_f32"),
-                            (torch.bfloat16, "paged_decode_bf16")):
-            fn = getattr(lib, name)
-            fn.argtypes = [p, i64, p, p, p, i64, p, p, i64, i64, i64, i64, i64, ctypes.c_float,
-                           p, p, p, p, i64, i64, i64, i64, i64, i64, i64]
-            fn.restype = ctypes.c_int
-            self._fns[dtype] = fn
+        self._fns = cpu_build.entry_points(
+            ctypes.CDLL(str(path)),
+            {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"},
+            [p, i64, p, p, p, i64, p, p, i64, i64, i64, i64, i64, ctypes.c_float,
+             p, p, p, p, i64, i64, i64, i64, i64, i64, i64], ctypes.c_int)
         self._checked: tuple[torch.Tensor, ...] | None = None  # last ranges validated
 
     def _check_ranges(self, block_tables, lo, hi, n, num_blocks, block_size) -> None:

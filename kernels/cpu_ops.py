@@ -29,12 +29,9 @@ class CpuOps:
         self._rms_norm = lib.rms_norm_bf16
         self._rms_norm.argtypes = [p, p, p, p, i64, i64, ctypes.c_float]
         self._rms_norm.restype = None
-        self._argmax = {}
-        for dtype, name in ((torch.bfloat16, "argmax_bf16"), (torch.float32, "argmax_f32")):
-            fn = getattr(lib, name)
-            fn.argtypes = [p, i64, i64, i64, p]
-            fn.restype = None
-            self._argmax[dtype] = fn
+        self._argmax = cpu_build.entry_points(
+            lib, {torch.bfloat16: "argmax_bf16", torch.float32: "argmax_f32"},
+            [p, i64, i64, i64, p], None)
 
     @staticmethod
     def handles(x: torch.Tensor) -> bool:

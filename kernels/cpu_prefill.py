@@ -26,16 +26,12 @@ class CpuPrefillKernel:
 
     def __init__(self, path: Path):
         self.path = path
-        lib = ctypes.CDLL(str(path))
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._fns = {}
-        for dtype, name in ((torch.float32, "prefill_attn_f32"),
-                            (torch.bfloat16, "prefill_attn_bf16")):
-            fn = getattr(lib, name)
-            fn.argtypes = [p, i64, p, p, p, i64, i64, p, i64, i64, i64, i64, ctypes.c_float,
-                           p, p, p, p, i64, i64, i64, i64, i64, i64]
-            fn.restype = ctypes.c_int
-            self._fns[dtype] = fn
+        self._fns = cpu_build.entry_points(
+            ctypes.CDLL(str(path)),
+            {torch.float32: "prefill_attn_f32", torch.bfloat16: "prefill_attn_bf16"},
+            [p, i64, p, p, p, i64, i64, p, i64, i64, i64, i64, ctypes.c_float,
+             p, p, p, p, i64, i64, i64, i64, i64, i64], ctypes.c_int)
         self._checked: tuple[torch.Tensor, torch.Tensor, int, int, int] | None = None
 
     def supports(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int,

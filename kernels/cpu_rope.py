@@ -21,14 +21,11 @@ SOURCE = Path(__file__).with_name("cpu_rope.c")
 
 class CpuRope:
     def __init__(self, path: Path):
-        lib = ctypes.CDLL(str(path))
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._fns = {}
-        for dtype, name in ((torch.float32, "rope_write_f32"), (torch.bfloat16, "rope_write_bf16")):
-            fn = getattr(lib, name)
-            fn.argtypes = [p, i64, p, i64, p, p, p, p, p, p, i64, i64, i64, i64]
-            fn.restype = None
-            self._fns[dtype] = fn
+        self._fns = cpu_build.entry_points(
+            ctypes.CDLL(str(path)),
+            {torch.float32: "rope_write_f32", torch.bfloat16: "rope_write_bf16"},
+            [p, i64, p, i64, p, p, p, p, p, p, i64, i64, i64, i64], None)
         self._checked: tuple[torch.Tensor, int] | None = None  # slot mapping last validated
 
     def handles(self, qk: torch.Tensor) -> bool:

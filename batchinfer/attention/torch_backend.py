@@ -162,7 +162,7 @@ class TorchAttention:
         return best, matched < best
 
     def _plan(self, meta: AttentionMetadata, window: int | None, dtype: torch.dtype,
-              decode_kernel: bool, prefill_kernel: bool = False) -> _StepPlan:
+              decode_kernel: bool, prefill_kernel: bool) -> _StepPlan:
         """Built on the host with numpy (small arrays: torch's per-op cost would dominate),
         then moved to the device once. With decode_kernel, decodes get key ranges for the C
         kernel instead of gather indices and masks; with prefill_kernel (and no window),
