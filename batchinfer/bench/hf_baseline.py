@@ -103,7 +103,9 @@ def continuous_batching_available(model: torch.nn.Module) -> bool:
 def _cb_config(requests: list[BenchRequest], max_num_seqs: int, max_batch_tokens: int):
     """KV room for the max_num_seqs longest requests at once, like our engine's cap."""
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
-    page = ContinuousBatchingConfig.page_size
+    defaults = ContinuousBatchingConfig()
+    # the KV page size: page_size in recent transformers, block_size before
+    page = getattr(defaults, "page_size", None) or defaults.block_size
     longest = sorted((len(r.prompt_token_ids) + r.output_len for r in requests), reverse=True)
     num_blocks = sum(math.ceil(n / page) for n in longest[:max_num_seqs]) + 2
     return ContinuousBatchingConfig(num_blocks=num_blocks, max_batch_tokens=max_batch_tokens,

@@ -131,8 +131,17 @@ def summary_lines(summary: dict) -> list[str]:
         lines.append(f"Prefix caching on vs off: {summary['prefix_caching_speedup']:.2f}x "
                      f"throughput, {summary['prefill_tokens_saved_fraction']:.1%} fewer prefill "
                      "tokens computed")
+    if summary.get("decode_bandwidth_gb_per_s") is not None:
+        lines.append(f"Decode bandwidth: {summary['decode_bandwidth_gb_per_s']:.0f} GB/s "
+                     f"({summary['decode_bandwidth_fraction_of_peak']:.0%} of peak)")
+    if summary.get("prefill_mfu") is not None:
+        lines.append(f"Prefill: {summary['prefill_tflops_per_s']:.1f} TFLOP/s "
+                     f"(MFU {summary['prefill_mfu']:.1%})")
     for name, base in summary.get("baselines", {}).items():
         label = BASELINE_LABELS.get(name, name)
+        if "error" in base:
+            lines.append(f"{label}: failed, left out ({base['error']})")
+            continue
         if "batch_size" in base:
             label += f", batch {base['batch_size']}"
         lines.append(throughput_line(base["num_requests"], base["total_num_tokens"],

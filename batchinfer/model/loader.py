@@ -101,13 +101,17 @@ def load_model(path: Path, hf_config, backend, dtype: torch.dtype, device: torch
 
 
 def _init_random(model: CausalLM, seed: int) -> None:
-    """Random weights for benchmarks on shapes with no checkpoint."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    """Random weights for benchmarks on shapes with no checkpoint, drawn on the model's
+    device (an 8B model's weights take minutes to draw on one CPU thread)."""
+    gens: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)
         elif name.endswith("bias"):
             param.data.zero_()
         else:
-            values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, 0.02, generator=gen)
-            param.data.copy_(values)
+            gen = gens.get(param.device)
+            if gen is None:
+                gen = gens[param.device] = torch.Generator(param.device).manual_seed(seed)
+            values = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+            param.data.copy_(values.normal_(0.0, 0.02, generator=gen))

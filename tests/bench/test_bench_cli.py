@@ -21,7 +21,7 @@ def cache_dir(tmp_path_factory):
 
 def run_bench(cache_dir, *args: str) -> tuple[str, dict]:
     result = CliRunner().invoke(bench, ["--model", "tiny", "--cache-dir", str(cache_dir),
-                                        "--num-kv-blocks", "96", *args])
+                                        "--num-kv-blocks", "96", "--device", "cpu", *args])
     assert result.exit_code == 0, result.output + repr(result.exception)
     out = result.stdout
     return out, json.loads(out[out.index("\n{\n") + 1:])

@@ -55,3 +55,15 @@ def test_bandwidth_and_mfu_against_a_peak():
     assert s["decode_bandwidth_fraction_of_peak"] == pytest.approx(read / 0.5 / 1e4)
     flops = SHAPE.prefill_flops(20, 0) + SHAPE.prefill_flops(20, 16)
     assert s["prefill_mfu"] == pytest.approx(flops / 0.5 / 1e6)
+    lines = summary_lines(s)
+    assert any(line.startswith("Decode bandwidth: ") and "of peak" in line for line in lines)
+    assert any(line.startswith("Prefill: ") and "MFU" in line for line in lines)
+
+
+def test_a_failed_baseline_is_reported_not_raised():
+    s = engine_summary(make_run(), block_size=16, num_kv_blocks=8, shape=SHAPE,
+                       weight_bytes=1000, dtype=torch.float32, peak=None)
+    s["baselines"] = {"hf_cb": {"error": "AttributeError: no page_size"}}
+    lines = summary_lines(s)
+    assert lines[-1].endswith("failed, left out (AttributeError: no page_size)")
+    assert not any(line.startswith(("Decode bandwidth", "Prefill:")) for line in lines)

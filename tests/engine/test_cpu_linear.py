@@ -51,7 +51,7 @@ def test_engine_output_unchanged_by_packing(fixture, request, fresh_probe, monke
         pytest.skip("oneDNN packing of bfloat16 is not available on this machine")
     model_dir = str(request.getfixturevalue(fixture))
     prompts = ["The quick brown fox", "Batch inference on a CPU", "a b c d e f g"]
-    packed_llm = LLM(model=model_dir, dtype="bfloat16")
+    packed_llm = LLM(model=model_dir, dtype="bfloat16", device="cpu")
     model = packed_llm.llm_engine.model_runner.model
     layer = model.model.layers[0]
     # every product packed; only the embedding table keeps a plain copy
@@ -64,7 +64,7 @@ def test_engine_output_unchanged_by_packing(fixture, request, fresh_probe, monke
 
     monkeypatch.setenv(cpu_linear.ENV_SWITCH, "0")
     cpu_linear.available.cache_clear()
-    plain_llm = LLM(model=model_dir, dtype="bfloat16")
+    plain_llm = LLM(model=model_dir, dtype="bfloat16", device="cpu")
     plain = plain_llm.llm_engine.model_runner.model
     assert plain.model.layers[0].mlp.packed_halves is None
     assert _greedy(plain_llm, prompts) == packed_tokens
