@@ -25,6 +25,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     attention_backend: str = "auto"
+    enforce_eager: bool = False  # CUDA: run decode steps eagerly, without CUDA graphs
     device: str | None = None
     trust_remote_code: bool = False
     allow_pickle_weights: bool = False

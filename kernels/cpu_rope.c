@@ -54,7 +54,7 @@ static inline __attribute__((always_inline)) void rotate(
 /* qk [tokens, num_heads + num_kv_heads, head_dim] (rows qk_stride elements apart) and v
  * [tokens, num_kv_heads, head_dim] (rows v_stride apart); cos/sin [tokens, head_dim]. Writes
  * the rotated q heads to q_out [tokens, num_heads, head_dim], and the rotated k heads and v
- * to row slots[t] of the caches ([slots, num_kv_heads, head_dim]). */
+ * to row slots[t] of the caches ([slots, num_kv_heads, head_dim]), unless slots[t] < 0. */
 #define ENTRY(NAME, T, BF16)                                                                  \
 void NAME(const T *qk, int64_t qk_stride, const T *v, int64_t v_stride, const T *cos,          \
           const T *sin, const int64_t *slots, T *q_out, T *k_cache, T *v_cache,                \
@@ -65,6 +65,8 @@ void NAME(const T *qk, int64_t qk_stride, const T *v, int64_t v_stride, const T 
         for (int64_t h = 0; h < num_heads; h++)                                                \
             rotate(qk, t * qk_stride + h * head_dim, cos, sin, t * head_dim, q_out,            \
                    (t * num_heads + h) * head_dim, head_dim, BF16);                            \
+        if (slots[t] < 0)                                                                      \
+            continue; /* a padding row: nothing to store */                                    \
         for (int64_t h = 0; h < num_kv_heads; h++)                                             \
             rotate(qk, t * qk_stride + (num_heads + h) * head_dim, cos, sin, t * head_dim,     \
                    k_cache, slots[t] * kv_row + h * head_dim, head_dim, BF16);                 \

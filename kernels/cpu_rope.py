@@ -34,18 +34,20 @@ class CpuRope:
                 and qk.shape[2] % 32 == 0)
 
     def _check_slots(self, slots: torch.Tensor, num_slots: int) -> None:
-        """Every slot lies in the cache; the same mapping serves every layer of a step."""
+        """Every slot lies in the cache or is negative (nothing stored); the same mapping
+        serves every layer of a step."""
         if self._checked is not None and self._checked[0] is slots \
                 and self._checked[1] == num_slots:
             return
-        if slots.numel() and not (int(slots.min()) >= 0 and int(slots.max()) < num_slots):
+        if slots.numel() and not int(slots.max()) < num_slots:
             raise ValueError("cpu rope: slot mapping outside the cache")
         self._checked = (slots, num_slots)
 
     def __call__(self, qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """Rotate qk [T, H + Hkv, D] by cos/sin [T, 1, D] (or [T, D]); write k (rotated) and
-        v [T, Hkv, D] to cache slots[t]; return q [T, H, D], rotated, contiguous."""
+        v [T, Hkv, D] to cache slots[t] (none where slots[t] < 0); return q [T, H, D],
+        rotated, contiguous."""
         num_tokens, heads, head_dim = qk.shape
         num_kv_heads = k_cache.shape[2]
         num_heads = heads - num_kv_heads

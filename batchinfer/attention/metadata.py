@@ -26,6 +26,9 @@ class AttentionMetadata:
     max_seq_len: int
     num_decode_seqs: int           # sequences [0, num_decode_seqs) have query length 1
     block_size: int
+    # Longest context among the decode sequences (or a bound on it): backends size split-KV
+    # from it without reading seq_lens back from the device. None: work it out.
+    max_decode_seq_len: int | None = None
     # CPU-side copies, for backends that plan work in Python once per step.
     query_start_loc_cpu: list[int] = field(default_factory=list)
     seq_lens_cpu: list[int] = field(default_factory=list)

@@ -31,7 +31,9 @@ class TritonAttention:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         nd = meta.num_decode_seqs
         if nd:
-            max_len = max(meta.seq_lens_cpu[:nd]) if meta.seq_lens_cpu else None
+            max_len = meta.max_decode_seq_len
+            if max_len is None and meta.seq_lens_cpu:
+                max_len = max(meta.seq_lens_cpu[:nd])
             paged_decode_attention(query[:nd], k_cache, v_cache, meta.block_tables[:nd],
                                    meta.seq_lens[:nd], scale, sliding_window, out=out[:nd],
                                    max_seq_len=max_len, scratch=meta.cache)

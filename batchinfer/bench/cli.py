@@ -100,6 +100,8 @@ class _BenchGroup(click.Group):
               help="Also run with prefix caching off and report the speedup.")
 @click.option("--attention-backend", type=click.Choice(["auto", "torch", "triton"]),
               default="auto")
+@click.option("--enforce-eager", is_flag=True,
+              help="CUDA: run decode steps eagerly instead of replaying CUDA graphs.")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when present).")
 @click.option("--seed", type=int, default=0)
 @click.option("--baseline", type=click.Choice(["none", "hf"]), default="none",

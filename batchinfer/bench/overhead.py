@@ -105,7 +105,7 @@ def measure_overhead(model_path: str, num_seqs: int, context_len: int, steps: in
         enable_prefix_caching=enable_prefix_caching, max_num_seqs=num_seqs,
         max_num_batched_tokens=budget, max_model_len=max_len,
         num_kv_blocks=num_seqs * blocks_per_seq + 1, attention_backend=attention_backend,
-        device=device)
+        device=device, enforce_eager=True)  # graphs would replay the real model, not the stub
     try:
         config = engine.model_config
         runner = engine.model_runner

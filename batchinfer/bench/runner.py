@@ -26,7 +26,8 @@ def _engine_kwargs(opts: dict, enable_prefix_caching: bool) -> dict:
             "max_num_batched_tokens": opts["max_num_batched_tokens"],
             "max_model_len": opts["max_model_len"], "num_kv_blocks": opts["num_kv_blocks"],
             "kv_cache_memory_bytes": opts["kv_cache_memory"],
-            "attention_backend": opts["attention_backend"], "device": opts["device"]}
+            "attention_backend": opts["attention_backend"],
+            "enforce_eager": opts["enforce_eager"], "device": opts["device"]}
 
 
 def build_requests(opts: dict, vocab_size: int, tokenize) -> tuple[str, list[BenchRequest]]:

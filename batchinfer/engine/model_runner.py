@@ -12,6 +12,7 @@ import torch
 
 from batchinfer.attention import AttentionMetadata, get_attention_backend
 from batchinfer.config import EngineConfig
+from batchinfer.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from batchinfer.engine.host_memory import keep_freed_memory
 from batchinfer.engine.sampler import Sampler, SamplingBatch
 from batchinfer.engine.scheduler import SchedulerOutput
@@ -73,6 +74,19 @@ class ModelRunner:
         self.requests: dict[str, RunnerRequest] = {}
         gen = torch.Generator(device=device).manual_seed(config.seed)
         self.sampler = Sampler(gen)
+        # decode steps replay CUDA graphs; the Triton backend reads all it needs from device
+        # tensors (the torch backend plans on the host each step)
+        self.graphs: DecodeGraphs | None = None
+        self.num_graph_steps = 0
+        if device.type == "cuda" and not config.enforce_eager and self.backend.name == "triton":
+            self.graphs = self.build_decode_graphs()
+
+    def build_decode_graphs(self, capture: bool = True) -> DecodeGraphs:
+        return DecodeGraphs(self.model, self.kv_caches,
+                            sizes=capture_sizes(self.config.max_num_seqs),
+                            max_blocks_per_seq=self.max_blocks_per_seq,
+                            block_size=self.block_size, max_model_len=self.max_model_len,
+                            device=self.device, capture=capture)
 
     # ---- KV cache sizing -------------------------------------------------------------
     @property
@@ -170,13 +184,18 @@ class ModelRunner:
         positions = np.arange(qsl[-1], dtype=np.int64) + np.repeat(starts - qsl[:-1], num_new)
         return qsl, positions
 
+    def _slots(self, block_tables: np.ndarray, num_new: np.ndarray,
+               positions: np.ndarray) -> np.ndarray:
+        """The cache slot of every new token."""
+        token_seq = np.repeat(np.arange(len(num_new)), num_new)
+        bs = self.block_size
+        return block_tables[token_seq, positions // bs] * bs + positions % bs
+
     def _metadata(self, starts: np.ndarray, num_new: np.ndarray, qsl: np.ndarray,
                   positions: np.ndarray, block_tables: np.ndarray,
                   num_decodes: int) -> AttentionMetadata:
         seq_lens = starts + num_new
-        token_seq = np.repeat(np.arange(len(num_new)), num_new)
-        bs = self.block_size
-        slots = block_tables[token_seq, positions // bs] * bs + positions % bs
+        slots = self._slots(block_tables, num_new, positions)
         dev = self.device
         return AttentionMetadata(
             slot_mapping=torch.from_numpy(slots).to(dev),
@@ -184,7 +203,8 @@ class ModelRunner:
             seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
             block_tables=torch.from_numpy(block_tables.astype(np.int32)).to(dev),
             max_query_len=int(num_new.max()), max_seq_len=int(seq_lens.max()),
-            num_decode_seqs=num_decodes, block_size=bs,
+            num_decode_seqs=num_decodes, block_size=self.block_size,
+            max_decode_seq_len=int(seq_lens[:num_decodes].max()) if num_decodes else None,
             query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist(),
             block_tables_cpu=block_tables)
 
@@ -216,11 +236,16 @@ class ModelRunner:
         rows = np.array([s.row for s in states], dtype=np.int64)
         max_blocks = -(-int((starts + num_new).max()) // self.block_size)
         block_tables = self.block_table[rows, :max_blocks]
-        meta = self._metadata(starts, num_new, qsl, positions, block_tables, len(decodes))
-
-        ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos_t = torch.from_numpy(positions).to(self.device)
-        hidden = self.model(ids_t, pos_t, meta, self.kv_caches)
+        graphs = self.graphs
+        if graphs is not None and len(decodes) == len(order) <= graphs.max_size:
+            hidden = graphs.run(input_ids, positions, self._slots(block_tables, num_new, positions),
+                                starts + 1, block_tables)
+            self.num_graph_steps += 1
+        else:
+            meta = self._metadata(starts, num_new, qsl, positions, block_tables, len(decodes))
+            ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+            pos_t = torch.from_numpy(positions).to(self.device)
+            hidden = self.model(ids_t, pos_t, meta, self.kv_caches)
 
         sample_mask = (starts + num_new) == np.array([len(s.token_ids) for s in states],
                                                      dtype=np.int64)

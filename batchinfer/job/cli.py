@@ -74,6 +74,8 @@ def _options(f):
         O("--prefix-caching/--no-prefix-caching", default=None),
         O("--tensor-parallel-size", type=int),
         O("--attention-backend", help="auto (default), torch or triton."),
+        O("--enforce-eager", is_flag=True, default=None,
+          help="CUDA: run decode steps eagerly instead of replaying CUDA graphs."),
         O("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)."),
         O("--tokenizer", help="Tokenizer directory, when not the model's."),
         O("--trust-remote-code", is_flag=True, default=None),

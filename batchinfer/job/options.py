@@ -25,7 +25,8 @@ ENGINE_OPTIONS = {
     "kv_cache_memory": "kv_cache_memory_bytes", "num_kv_blocks": "num_kv_blocks",
     "gpu_memory_utilization": "gpu_memory_utilization",
     "prefix_caching": "enable_prefix_caching", "tensor_parallel_size": "tensor_parallel_size",
-    "attention_backend": "attention_backend", "device": "device", "tokenizer": "tokenizer",
+    "attention_backend": "attention_backend", "enforce_eager": "enforce_eager",
+    "device": "device", "tokenizer": "tokenizer",
     "trust_remote_code": "trust_remote_code", "allow_pickle_weights": "allow_pickle_weights",
 }
 OUTPUT_FORMATS = ("parquet", "openai")
@@ -97,6 +98,7 @@ class JobOptions:
     prefix_caching: bool | None = None
     tensor_parallel_size: int | None = None
     attention_backend: str | None = None
+    enforce_eager: bool | None = None
     device: str | None = None
     tokenizer: str | None = None
     trust_remote_code: bool | None = None

@@ -58,6 +58,21 @@ def test_gives_the_torch_paths_bits(rope_write, dtype, num_tokens, num_heads, nu
     assert int(k_cache.isnan().flatten(0, 1).all(-1).all(-1).sum()) == k_cache.shape[0] * 16 - num_tokens
 
 
+def test_negative_slots_store_nothing(rope_write):
+    """Padding rows (slot -1, as in a CUDA-graph batch) get q rotated and write no KV."""
+    qk, v, cos, sin, slots, k_cache, v_cache = case(torch.float32, 6, 8, 4, 32)
+    slots[[1, 4]] = -1
+    rotated = apply_rotary(qk, cos, sin)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    keep = slots >= 0
+    write_kv(rotated[keep, 8:], v[keep], k_ref, v_ref, slots[keep])
+    q = rope_write(qk, v, cos, sin, slots, k_cache, v_cache)
+    assert torch.equal(q, rotated[:, :8])
+    assert torch.equal(k_cache.nan_to_num(7.0), k_ref.nan_to_num(7.0))
+    assert torch.equal(v_cache.nan_to_num(7.0), v_ref.nan_to_num(7.0))
+    assert int(k_cache.isnan().flatten(0, 1).all(-1).all(-1).sum()) == k_cache.shape[0] * 16 - 4
+
+
 def test_rejects_what_it_does_not_handle(rope_write):
     qk, v, cos, sin, slots, k_cache, v_cache = case(torch.float32, 4, 8, 4, 32)
     assert rope_write.handles(qk)
