@@ -21,7 +21,9 @@ MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
 
 
-@triton.jit
+# Values that change from step to step are not specialised on (Triton would otherwise
+# compile a variant for 1 and for multiples of 16 mid-run).
+@triton.jit(do_not_specialize=["window", "num_splits", "stride_bt"])
 def _paged_decode_kernel(
     out_ptr,           # [num_seqs, num_heads, head_dim] (not SPLIT)
     part_acc_ptr,      # [num_seqs, num_heads, num_splits, head_dim] float32, contiguous (SPLIT)
@@ -105,7 +107,7 @@ def _paged_decode_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _split_kv_reduce_kernel(
     out_ptr,           # [num_seqs, num_heads, head_dim]
     part_acc_ptr,      # [num_seqs, num_heads, num_splits, head_dim] float32, contiguous

@@ -21,7 +21,9 @@ from ._launch import check_inputs, dot_settings, next_power_of_2
 from ._paged import load_kv_tile, online_softmax_step
 
 
-@triton.jit
+# the block-table row stride (the step's longest context in blocks) and the window change
+# from step to step: not specialised on, so no variant is compiled mid-run
+@triton.jit(do_not_specialize=["window", "stride_bt"])
 def _paged_prefill_kernel(
     out_ptr,              # [num_tokens, num_heads, head_dim]
     q_ptr,                # [num_tokens, num_heads, head_dim]

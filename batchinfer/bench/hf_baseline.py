@@ -112,7 +112,7 @@ def _cb_config(requests: list[BenchRequest], max_num_seqs: int, max_batch_tokens
                                     max_requests_per_batch=max_num_seqs)
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: transformers' CB thread updates tensors made here
 def _cb_session(model: torch.nn.Module, requests: list[BenchRequest], max_num_seqs: int,
                 max_batch_tokens: int) -> float:
     from transformers import GenerationConfig
