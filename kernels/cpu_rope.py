@@ -34,12 +34,12 @@ class CpuRope:
                 and qk.shape[2] % 32 == 0)
 
     def _check_slots(self, slots: torch.Tensor, num_slots: int) -> None:
-        """Every slot lies in the cache or is negative (nothing stored); the same mapping
-        serves every layer of a step."""
+        """Every slot lies in the cache or is -1 (nothing stored); the same mapping serves
+        every layer of a step."""
         if self._checked is not None and self._checked[0] is slots \
                 and self._checked[1] == num_slots:
             return
-        if slots.numel() and not int(slots.max()) < num_slots:
+        if slots.numel() and not (int(slots.min()) >= -1 and int(slots.max()) < num_slots):
             raise ValueError("cpu rope: slot mapping outside the cache")
         self._checked = (slots, num_slots)
 

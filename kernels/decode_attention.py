@@ -21,8 +21,9 @@ MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
 
 
-# Values that change from step to step are not specialised on (Triton would otherwise
-# compile a variant for 1 and for multiples of 16 mid-run).
+# Arguments whose values change from step to step are not specialised on (Triton would
+# otherwise compile variants for 1 and for multiples of 16 mid-run). SPLIT, and the merge
+# kernel's S_PAD, still give one variant per power of two of the split count.
 @triton.jit(do_not_specialize=["window", "num_splits", "stride_bt"])
 def _paged_decode_kernel(
     out_ptr,           # [num_seqs, num_heads, head_dim] (not SPLIT)

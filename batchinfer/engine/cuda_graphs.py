@@ -55,14 +55,24 @@ class DecodeGraphs:
         self.block_tables = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32,
                                         device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        # ids, positions, slots and lengths staged in one pinned host buffer, so they go in
-        # one copy; reusing it is safe because every step waits for its sampled tokens
-        self._host = torch.zeros((n, 4), dtype=torch.long,
-                                 pin_memory=device.type == "cuda")
+        # A step's inputs are staged in pinned host buffers (ids, positions, slots and
+        # lengths side by side, so they go in one copy) and copied without blocking; the
+        # next step waits on _copied before it overwrites them.
+        pin = device.type == "cuda"
+        self._host = torch.zeros((n, 4), dtype=torch.long, pin_memory=pin)
+        self._host_blocks = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32,
+                                        pin_memory=pin)
+        self._copied = torch.cuda.Event() if pin else None
         self._metas = {b: self._metadata(b) for b in self.sizes}
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if capture:
-            self._capture()
+            try:
+                self._capture()
+            except RuntimeError as e:
+                raise RuntimeError(
+                    f"capturing CUDA graphs for decode steps failed: {e}. Run with "
+                    "enforce_eager=True (--enforce-eager), or, if the device ran out of "
+                    "memory, with a lower gpu_memory_utilization") from e
 
     @property
     def max_size(self) -> int:
@@ -103,6 +113,8 @@ class DecodeGraphs:
         sequences; block_tables [n, <= max_blocks_per_seq] host rows."""
         n = len(input_ids)
         b = self.size_for(n)
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copies have left the host buffers
         host = self._host
         host[n:b] = 0
         host[n:b, 2] = -1  # padding rows store no KV
@@ -110,13 +122,17 @@ class DecodeGraphs:
         host[:n, 1] = torch.from_numpy(positions)
         host[:n, 2] = torch.from_numpy(slots)
         host[:n, 3] = torch.from_numpy(seq_lens)
+        # whole rows, so the copy is contiguous; columns past the batch's longest context
+        # hold stale ids that no kernel reads (every key load is bounded by seq_lens)
+        self._host_blocks[:n, :block_tables.shape[1]] = torch.from_numpy(block_tables)
         staged = host[:b].to(self.input_ids.device, non_blocking=True)
+        self.block_tables[:n].copy_(self._host_blocks[:n], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
         self.input_ids[:b].copy_(staged[:, 0])
         self.positions[:b].copy_(staged[:, 1])
         self.slot_mapping[:b].copy_(staged[:, 2])
         self.seq_lens[:b].copy_(staged[:, 3])
-        width = block_tables.shape[1]
-        self.block_tables[:n, :width].copy_(torch.from_numpy(block_tables.astype(np.int32)))
         if b in self.graphs:
             graph, hidden = self.graphs[b]
             graph.replay()

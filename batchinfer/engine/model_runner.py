@@ -56,6 +56,9 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         if device.type == "cpu":
             keep_freed_memory()
+        elif device.type == "cuda" and device.index is not None:
+            # Triton launches, graph capture and synchronize() use the current device
+            torch.cuda.set_device(device)
         self.backend = get_attention_backend(config.attention_backend, device)
         self.model = load_model(model_path, hf_config, self.backend, dtype, device,
                                 config.load_format, config.allow_pickle_weights, config.seed)

@@ -31,7 +31,7 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 def _params(n: int) -> list[SamplingParams]:
     # different lengths, so the decode batch shrinks through sizes that need padding
-    return [SamplingParams(max_tokens=3 + 2 * i, temperature=0.0, ignore_eos=True)
+    return [SamplingParams(max_tokens=2 + i, temperature=0.0, ignore_eos=True)
             for i in range(n)]
 
 
@@ -39,21 +39,56 @@ def _generate(llm: LLM, n: int) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(_prompts(n), _params(n))]
 
 
+def _static_llm(model_dir, **kwargs) -> LLM:
+    """An engine whose decode steps take the padded static-buffer path without capture."""
+    llm = LLM(model=model_dir, attention_backend="triton", dtype="float32", block_size=8,
+              num_kv_blocks=96, device="cpu", **kwargs)
+    runner = llm.llm_engine.model_runner
+    runner.graphs = runner.build_decode_graphs(capture=False)
+    return llm
+
+
+@pytest.fixture
+def many_splits(monkeypatch):
+    """Split-KV as on a 132-SM GPU with 16-token splits: the static path, which sizes splits
+    for max_model_len, then has empty splits past every sequence's end."""
+    from batchinfer.kernels import decode_attention
+    monkeypatch.setattr(decode_attention, "sm_count", lambda device: 132)
+    monkeypatch.setattr(decode_attention, "MIN_TOKENS_PER_SPLIT", 16)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU form of the check")
 @pytest.mark.parametrize("fixture", ["llama_dir", "mistral_dir"])
-def test_padded_static_forward_matches_plain_steps(fixture, request):
+def test_padded_static_forward_matches_plain_steps(fixture, request, many_splits):
     """capture=False runs exactly what a graph would replay: padding rows (no KV write,
     context 0) must leave every real row's tokens unchanged."""
     model_dir = str(request.getfixturevalue(fixture))
-    kwargs = dict(model=model_dir, attention_backend="triton", dtype="float32", block_size=8,
-                  max_num_seqs=7, num_kv_blocks=96, device="cpu")
-    expected = _generate(LLM(**kwargs), 7)
-    llm = LLM(**kwargs)
+    kwargs = dict(attention_backend="triton", dtype="float32", block_size=8,
+                  max_num_seqs=7, num_kv_blocks=96, device="cpu", max_model_len=160)
+    expected = _generate(LLM(model=model_dir, **kwargs), 7)
+    llm = _static_llm(model_dir, max_num_seqs=7, max_model_len=160)  # up to 10 splits
     runner = llm.llm_engine.model_runner
-    runner.graphs = runner.build_decode_graphs(capture=False)
     assert runner.graphs.sizes == [1, 2, 4, 7]
     assert _generate(llm, 7) == expected
-    assert runner.num_graph_steps >= 10
+    # every decode step: batches of 7 down to 1 (6 and 5 padded to 7, 3 to 4)
+    assert runner.num_graph_steps >= 7
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU form of the check")
+def test_one_token_prompt_chunks_take_the_static_path(llama_dir):
+    """With a 1-token budget prompts advance a token a step: every step is decode-shaped,
+    and the steps inside a prompt sample nothing."""
+    prompts = _prompts(3, seed=5)
+    prompts = [p[:9] for p in prompts]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    kwargs = dict(max_num_seqs=4, max_num_batched_tokens=1)
+    plain = LLM(model=str(llama_dir), attention_backend="triton", dtype="float32",
+                block_size=8, num_kv_blocks=96, device="cpu", **kwargs)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    llm = _static_llm(str(llama_dir), **kwargs)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    # every prompt token, then the decodes (the first output token comes with the prompt)
+    assert llm.llm_engine.model_runner.num_graph_steps >= sum(map(len, prompts))
 
 
 @cuda_only
@@ -81,4 +116,6 @@ def test_graphs_with_sampling_and_prefix_hits(llama_dir):
         llm = LLM(model=str(llama_dir), dtype="float32", max_num_seqs=16, max_model_len=512,
                   enforce_eager=eager)
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+        assert llm.stats()["prefix_cache_hit_tokens"] > 0
+        assert (llm.llm_engine.model_runner.num_graph_steps > 0) == (not eager)
     assert outs[0] == outs[1]

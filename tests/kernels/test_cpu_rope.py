@@ -82,6 +82,9 @@ def test_rejects_what_it_does_not_handle(rope_write):
     bad[2] = k_cache.shape[0] * k_cache.shape[1]                    # one past the cache
     with pytest.raises(ValueError, match="outside the cache"):
         rope_write(qk, v, cos, sin, bad, k_cache, v_cache)
+    bad[2] = -2                                                     # only -1 means "skip"
+    with pytest.raises(ValueError, match="outside the cache"):
+        rope_write(qk, v, cos, sin, bad, k_cache, v_cache)
     with pytest.raises(ValueError, match="out of contract"):
         rope_write(qk, v, cos, sin, slots.int(), k_cache, v_cache)  # int32 slots
     with pytest.raises(ValueError, match="out of contract"):
