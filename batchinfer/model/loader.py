@@ -102,7 +102,7 @@ def load_model(path: Path, hf_config, backend, dtype: torch.dtype, device: torch
 
 def _init_random(model: CausalLM, seed: int) -> None:
     """Random weights for benchmarks on shapes with no checkpoint, drawn on the model's
-    device (an 8B model's weights take minutes to draw on one CPU thread)."""
+    device (on one CPU thread, an 8B model's draws alone take about 45 s)."""
     gens: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
