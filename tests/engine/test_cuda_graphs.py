@@ -39,12 +39,14 @@ def _generate(llm: LLM, n: int) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(_prompts(n), _params(n))]
 
 
-def _static_llm(model_dir, **kwargs) -> LLM:
-    """An engine whose decode steps take the padded static-buffer path without capture."""
-    llm = LLM(model=model_dir, attention_backend="triton", dtype="float32", block_size=8,
+def _cpu_llm(model_dir, static: bool, **kwargs) -> LLM:
+    """A CPU engine on the interpreted Triton kernels; with static=True its decode steps take
+    the padded static-buffer path (what a graph replays) without capture."""
+    llm = LLM(model=str(model_dir), attention_backend="triton", dtype="float32", block_size=8,
               num_kv_blocks=96, device="cpu", **kwargs)
-    runner = llm.llm_engine.model_runner
-    runner.graphs = runner.build_decode_graphs(capture=False)
+    if static:
+        runner = llm.llm_engine.model_runner
+        runner.graphs = runner.build_decode_graphs(capture=False)
     return llm
 
 
@@ -62,11 +64,10 @@ def many_splits(monkeypatch):
 def test_padded_static_forward_matches_plain_steps(fixture, request, many_splits):
     """capture=False runs exactly what a graph would replay: padding rows (no KV write,
     context 0) must leave every real row's tokens unchanged."""
-    model_dir = str(request.getfixturevalue(fixture))
-    kwargs = dict(attention_backend="triton", dtype="float32", block_size=8,
-                  max_num_seqs=7, num_kv_blocks=96, device="cpu", max_model_len=160)
-    expected = _generate(LLM(model=model_dir, **kwargs), 7)
-    llm = _static_llm(model_dir, max_num_seqs=7, max_model_len=160)  # up to 10 splits
+    model_dir = request.getfixturevalue(fixture)
+    kwargs = dict(max_num_seqs=7, max_model_len=160)  # up to 10 splits
+    expected = _generate(_cpu_llm(model_dir, static=False, **kwargs), 7)
+    llm = _cpu_llm(model_dir, static=True, **kwargs)
     runner = llm.llm_engine.model_runner
     assert runner.graphs.sizes == [1, 2, 4, 7]
     assert _generate(llm, 7) == expected
@@ -82,10 +83,9 @@ def test_one_token_prompt_chunks_take_the_static_path(llama_dir):
     prompts = [p[:9] for p in prompts]
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     kwargs = dict(max_num_seqs=4, max_num_batched_tokens=1)
-    plain = LLM(model=str(llama_dir), attention_backend="triton", dtype="float32",
-                block_size=8, num_kv_blocks=96, device="cpu", **kwargs)
+    plain = _cpu_llm(llama_dir, static=False, **kwargs)
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
-    llm = _static_llm(str(llama_dir), **kwargs)
+    llm = _cpu_llm(llama_dir, static=True, **kwargs)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
     # every prompt token, then the decodes (the first output token comes with the prompt)
     assert llm.llm_engine.model_runner.num_graph_steps >= sum(map(len, prompts))
