@@ -72,7 +72,8 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self.max_model_len = min(max_model_len, self.num_blocks * self.block_size)
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
-        self.block_table = np.zeros((config.max_num_seqs, self.max_blocks_per_seq), dtype=np.int64)
+        # int32, as the attention backends take it: a step's slice needs no conversion
+        self.block_table = np.zeros((config.max_num_seqs, self.max_blocks_per_seq), dtype=np.int32)
         self.free_rows = list(range(config.max_num_seqs - 1, -1, -1))
         self.requests: dict[str, RunnerRequest] = {}
         gen = torch.Generator(device=device).manual_seed(config.seed)
@@ -128,7 +129,7 @@ class ModelRunner:
         starts, num_new = np.array([0]), np.array([n])
         qsl, slot_positions = self._positions(starts, num_new)
         meta = self._metadata(starts, num_new, qsl, slot_positions,
-                              np.arange(probe_blocks)[None, :], 0)
+                              np.arange(probe_blocks, dtype=np.int32)[None, :], 0)
         with torch.inference_mode():
             hidden = self.model(ids, positions, meta, caches)
             self.model.compute_logits(hidden[-min(n, self.config.max_num_seqs):])
@@ -179,9 +180,12 @@ class ModelRunner:
                 state.num_blocks = end
 
     @staticmethod
-    def _positions(starts: np.ndarray, num_new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _positions(starts: np.ndarray, num_new: np.ndarray,
+                   all_decode: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """(query_start_loc, position of every new token) for requests that compute
-        num_new tokens from position starts."""
+        num_new tokens from position starts (all_decode: every num_new is 1)."""
+        if all_decode:
+            return np.arange(len(num_new) + 1, dtype=np.int64), starts
         qsl = np.zeros(len(num_new) + 1, dtype=np.int64)
         np.cumsum(num_new, out=qsl[1:])
         positions = np.arange(qsl[-1], dtype=np.int64) + np.repeat(starts - qsl[:-1], num_new)
@@ -190,9 +194,10 @@ class ModelRunner:
     def _slots(self, block_tables: np.ndarray, num_new: np.ndarray,
                positions: np.ndarray) -> np.ndarray:
         """The cache slot of every new token."""
-        token_seq = np.repeat(np.arange(len(num_new)), num_new)
+        token_seq = (np.arange(len(num_new)) if len(positions) == len(num_new)
+                     else np.repeat(np.arange(len(num_new)), num_new))
         bs = self.block_size
-        return block_tables[token_seq, positions // bs] * bs + positions % bs
+        return block_tables[token_seq, positions // bs].astype(np.int64) * bs + positions % bs
 
     def _metadata(self, starts: np.ndarray, num_new: np.ndarray, qsl: np.ndarray,
                   positions: np.ndarray, block_tables: np.ndarray,
@@ -204,7 +209,7 @@ class ModelRunner:
             slot_mapping=torch.from_numpy(slots).to(dev),
             query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
             seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(block_tables.astype(np.int32)).to(dev),
+            block_tables=torch.from_numpy(block_tables).to(dev),
             max_query_len=int(num_new.max()), max_seq_len=int(seq_lens.max()),
             num_decode_seqs=num_decodes, block_size=self.block_size,
             max_decode_seq_len=int(seq_lens[:num_decodes].max()) if num_decodes else None,
@@ -235,7 +240,7 @@ class ModelRunner:
         starts = np.array(start_list, dtype=np.int64)
         num_new = np.ones(len(order), dtype=np.int64)
         num_new[len(decodes):] = [sched[r] for r in others]
-        qsl, positions = self._positions(starts, num_new)
+        qsl, positions = self._positions(starts, num_new, all_decode=not others)
         rows = np.array([s.row for s in states], dtype=np.int64)
         max_blocks = -(-int((starts + num_new).max()) // self.block_size)
         block_tables = self.block_table[rows, :max_blocks]
