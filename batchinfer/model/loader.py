@@ -65,11 +65,15 @@ def iter_weights(path: Path, allow_pickle: bool) -> Iterator[tuple[str, torch.Te
     else:
         files = sorted(p.name for p in path.glob("*.safetensors"))
     if files:
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
         for name in files:
-            with safe_open(str(path / name), framework="pt") as f:
-                for key in f.keys():
-                    yield key, f.get_tensor(key)
+            try:
+                with safe_open(str(path / name), framework="pt") as f:
+                    for key in f.keys():
+                        yield key, f.get_tensor(key)
+            except (SafetensorError, OSError) as e:
+                raise ValueError(f"cannot read the weights file {path / name} ({e}); it is "
+                                 "damaged or incomplete: copy or download it again") from None
         return
     pickles = sorted(path.glob("*.bin")) + sorted(path.glob("*.pt"))
     if not pickles:

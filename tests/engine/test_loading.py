@@ -50,6 +50,18 @@ def test_pickle_weights_refused_unless_allowed(llama_dir, tmp_path):
     assert _tokens(llm) == _tokens(LLM(model=str(llama_dir)))
 
 
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_damaged_weights_file_is_named(llama_dir, tmp_path, damage):
+    broken = tmp_path / "broken"
+    shutil.copytree(llama_dir, broken)
+    weights = sorted(broken.glob("*.safetensors"))[0]
+    data = weights.read_bytes()
+    weights.write_bytes(b"not a safetensors file" if damage == "garbage" else data[:len(data) // 2])
+    with pytest.raises(ValueError) as err:
+        LLM(model=str(broken))
+    assert str(weights) in str(err.value) and "damaged or incomplete" in str(err.value)
+
+
 def test_unsupported_architecture_lists_supported(llama_dir, tmp_path):
     other = tmp_path / "gpt2ish"
     shutil.copytree(llama_dir, other)
