@@ -98,11 +98,23 @@ class _BenchGroup(click.Group):
 @click.option("--enable-prefix-caching/--no-prefix-caching", default=True)
 @click.option("--compare-prefix-caching", is_flag=True,
               help="Also run with prefix caching off and report the speedup.")
+@click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True),
+              default=0.9, help="CUDA: the fraction of the device's memory the engine may "
+                                "use (weights, activations, KV cache).")
+@click.option("--tensor-parallel-size", type=int, default=1, callback=_positive)
 @click.option("--attention-backend", type=click.Choice(["auto", "torch", "triton"]),
               default="auto")
 @click.option("--enforce-eager", is_flag=True,
               help="CUDA: run decode steps eagerly instead of replaying CUDA graphs.")
 @click.option("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when present).")
+@click.option("--load-format", type=click.Choice(["auto", "dummy"]), default="auto",
+              help="dummy: random weights; only the config and tokenizer are read. auto: "
+                   "a directory's weights; a named shape writes random weights to disk "
+                   "only for --baseline hf on a small shape, so both systems load the same.")
+@click.option("--tokenizer", default=None, help="Tokenizer directory, when not the model's.")
+@click.option("--trust-remote-code", is_flag=True)
+@click.option("--allow-pickle-weights", is_flag=True,
+              help="Also load .bin (pickle) checkpoints, with weights_only=True.")
 @click.option("--seed", type=int, default=0)
 @click.option("--baseline", type=click.Choice(["none", "hf"]), default="none",
               help="hf: the same prompts through transformers (static batching and, where "

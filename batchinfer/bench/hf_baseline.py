@@ -30,18 +30,20 @@ class BaselineRun:
 
 
 def load_hf_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
-                  seed: int) -> torch.nn.Module:
+                  seed: int, trust_remote_code: bool = False) -> torch.nn.Module:
     """The checkpoint's weights when it has them; otherwise seeded random weights of the
     same shape (throughput does not depend on the values)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
     if source.has_weights:
-        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype,
+                                                     trust_remote_code=trust_remote_code)
     else:
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source.path),
-                                                 dtype=dtype)
+        config = AutoConfig.from_pretrained(source.path, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                 trust_remote_code=trust_remote_code)
     return model.to(device).eval()
 
 

@@ -66,15 +66,18 @@ def _build_once(target: Path, shape: str, weights: bool, num_hidden_layers: int 
 
 
 def resolve_model(model: str, *, need_weights: bool = False, cache_dir: Path | None = None,
-                  num_hidden_layers: int | None = None) -> ModelSource:
+                  num_hidden_layers: int | None = None, load_format: str = "auto") -> ModelSource:
     """Turn --model into a directory; need_weights asks for real random weights on disk
     (only for SMALL_SHAPES; bigger shapes stay dummy and the caller seeds its own weights).
-    num_hidden_layers cuts a named shape to fewer layers (used where layers are never run)."""
+    num_hidden_layers cuts a named shape to fewer layers (used where layers are never run).
+    load_format "dummy" leaves a directory's weights unread and a named shape's unwritten."""
     if os.path.isdir(model):
         if num_hidden_layers is not None:
             raise ValueError("a layer-count override only applies to named shapes, "
                              f"not to the directory {model}")
-        return ModelSource(os.path.abspath(model), "auto", None)
+        return ModelSource(os.path.abspath(model), load_format, None)
+    if load_format == "dummy":
+        need_weights = False
     names = shape_names()
     if model not in names:
         raise ValueError(f"--model {model!r} is neither a directory nor a named shape "

@@ -26,8 +26,12 @@ def _engine_kwargs(opts: dict, enable_prefix_caching: bool) -> dict:
             "max_num_batched_tokens": opts["max_num_batched_tokens"],
             "max_model_len": opts["max_model_len"], "num_kv_blocks": opts["num_kv_blocks"],
             "kv_cache_memory_bytes": opts["kv_cache_memory"],
+            "gpu_memory_utilization": opts["gpu_memory_utilization"],
+            "tensor_parallel_size": opts["tensor_parallel_size"],
             "attention_backend": opts["attention_backend"],
-            "enforce_eager": opts["enforce_eager"], "device": opts["device"]}
+            "enforce_eager": opts["enforce_eager"], "device": opts["device"],
+            "tokenizer": opts["tokenizer"], "trust_remote_code": opts["trust_remote_code"],
+            "allow_pickle_weights": opts["allow_pickle_weights"]}
 
 
 def build_requests(opts: dict, vocab_size: int, tokenize) -> tuple[str, list[BenchRequest]]:
@@ -127,7 +131,7 @@ def run_bench(opts: dict) -> dict:
         raise ValueError("--compare-prefix-caching runs caching on and off; "
                          "drop --no-prefix-caching")
     source = resolve_model(opts["model"], need_weights=opts["baseline"] == "hf",
-                           cache_dir=opts["cache_dir"])
+                           cache_dir=opts["cache_dir"], load_format=opts["load_format"])
     summary, facts = _run_ours(source, opts, opts["enable_prefix_caching"])
     requests = facts["requests"]
     if opts["compare_prefix_caching"]:
@@ -138,7 +142,8 @@ def run_bench(opts: dict) -> dict:
             1 - summary["prefill_tokens_computed"] / off["prefill_tokens_computed"])
 
     if opts["baseline"] == "hf":
-        model = hf_baseline.load_hf_model(source, facts["dtype"], facts["device"], opts["seed"])
+        model = hf_baseline.load_hf_model(source, facts["dtype"], facts["device"], opts["seed"],
+                                          trust_remote_code=opts["trust_remote_code"])
         runs = [hf_baseline.run_static(model, requests, opts["hf_batch_sizes"])]
         cb_error = None
         if hf_baseline.continuous_batching_available(model):

@@ -150,3 +150,41 @@ def test_bench_is_a_batchinfer_subcommand():
     result = CliRunner().invoke(main, ["bench", "--help"])
     assert result.exit_code == 0, result.output
     assert "--baseline" in result.output and "--model-stub" in result.output
+
+
+def test_engine_flags_reach_the_engine(cache_dir):
+    _, summary = run_bench(cache_dir, "--num-prompts", "2", "--input-len", "8",
+                           "--output-len", "2", "--gpu-memory-utilization", "0.5",
+                           "--tensor-parallel-size", "1")
+    engine = summary["engine"]
+    assert engine["gpu_memory_utilization"] == 0.5 and engine["tensor_parallel_size"] == 1
+    assert engine["trust_remote_code"] is False and engine["tokenizer"] is None
+
+
+def test_load_format_dummy_skips_a_directorys_weights(cache_dir, tmp_path):
+    # a checkpoint directory whose weights file is unreadable: only dummy can run it
+    import shutil
+    from batchinfer.bench.models import resolve_model
+    shutil.copytree(resolve_model("tiny", need_weights=True, cache_dir=cache_dir).path,
+                    tmp_path / "ckpt")
+    weights = list((tmp_path / "ckpt").glob("*.safetensors"))
+    assert weights
+    for f in weights:
+        f.write_bytes(b"not a safetensors file")
+    args = ["--model", str(tmp_path / "ckpt"), "--num-prompts", "2", "--input-len", "8",
+            "--output-len", "2"]
+    _, summary = run_bench(cache_dir, *args, "--load-format", "dummy")
+    assert summary["load_format"] == "dummy" and summary["output_tokens"] == 4
+    result = CliRunner().invoke(bench, [*args, "--num-kv-blocks", "96", "--device", "cpu"])
+    assert result.exit_code == 2 and "damaged or incomplete" in result.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tensor-parallel-size", "2"], "tensor_parallel_size"),
+    (["--gpu-memory-utilization", "1.5"], "0<x<=1"),
+])
+def test_engine_flag_errors(cache_dir, args, message):
+    result = CliRunner().invoke(bench, ["--model", "tiny", "--cache-dir", str(cache_dir),
+                                        "--num-prompts", "1", "--device", "cpu", *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output
