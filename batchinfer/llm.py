@@ -58,3 +58,8 @@ class LLM:
 
     def stats(self) -> dict:
         return self.llm_engine.stats()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes (they also stop when this process
+        exits). Needed only to start another tensor-parallel LLM in the same process."""
+        self.llm_engine.shutdown()

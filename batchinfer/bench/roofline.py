@@ -105,5 +105,7 @@ def weight_bytes_read_per_step(model: torch.nn.Module, shape: ModelShape,
         elem = p.element_size()
     head_packed = getattr(getattr(model, "lm_head", None), "packed", None) is not None
     if not tied_embeddings or head_packed:
-        total -= shape.vocab_size * shape.hidden_size * elem
+        # this rank's table: a tensor-parallel rank holds a slice of the vocabulary
+        table = getattr(getattr(getattr(model, "model", None), "embed_tokens", None), "weight", None)
+        total -= (table.numel() if table is not None else shape.vocab_size * shape.hidden_size) * elem
     return total

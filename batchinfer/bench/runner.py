@@ -97,6 +97,7 @@ def _run_ours(source: ModelSource, opts: dict, enable_prefix_caching: bool,
             peak=device_peak(param.device, param.dtype))
         summary["prefix_caching"] = enable_prefix_caching
     finally:
+        engine.shutdown()
         del engine
         _release_memory()
     return summary, facts
@@ -181,6 +182,9 @@ def run_bench(opts: dict) -> dict:
 
 def run_overhead(opts: dict) -> dict:
     """--model-stub: per-step engine time at each --num-seqs."""
+    if opts["tensor_parallel_size"] > 1:
+        raise ValueError("--model-stub measures the engine in one process; "
+                         "drop --tensor-parallel-size")
     # The stub never reads the KV cache, so one layer is enough; hidden size and vocabulary
     # (logits and sampler work) stay those of the shape.
     if os.path.isdir(opts["model"]):

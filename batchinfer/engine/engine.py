@@ -3,6 +3,7 @@ finished ones. It knows nothing of files; the job runner and LLM drive it."""
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -13,7 +14,9 @@ from batchinfer.engine.kv_cache_manager import KVCacheManager
 from batchinfer.engine.model_runner import ModelRunner
 from batchinfer.engine.request import Request, RequestStatus
 from batchinfer.engine.scheduler import Scheduler
+from batchinfer.engine.tensor_parallel import RunnerArgs, TensorParallelGroup, check_divisible
 from batchinfer.model.loader import architecture, resolve_model_path
+from batchinfer.model.parallel import TensorParallel
 from batchinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from batchinfer.sampling_params import SamplingParams
 
@@ -31,9 +34,6 @@ class _Parent:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         from transformers import AutoConfig, AutoTokenizer
-        if config.tensor_parallel_size > 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported by this version; "
-                             "use tensor_parallel_size=1")
         self.config = config
         path = resolve_model_path(config.model)
         self.model_config = AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)
@@ -50,8 +50,30 @@ class LLMEngine:
                                  f"max_position_embeddings ({max_len})")
             max_len = config.max_model_len
         torch.manual_seed(config.seed)
-        self.model_runner = ModelRunner(config, self.model_config, path, self.device, self.dtype,
-                                        max_len, self.eos_token_ids)
+        self.tensor_parallel: TensorParallelGroup | None = None
+        if TensorParallel.size > 1:  # the parallel layers' state is the process's
+            raise RuntimeError("a tensor-parallel engine is running in this process; call "
+                               "shutdown() on it before starting another engine")
+        if config.tensor_parallel_size > 1:
+            check_divisible(self.model_config, config.tensor_parallel_size)
+            self.tensor_parallel = TensorParallelGroup(config.tensor_parallel_size, RunnerArgs(
+                config, self.model_config, path, self.device, self.dtype, max_len,
+                self.eos_token_ids))
+            # an engine dropped without shutdown() still stops its workers
+            weakref.finalize(self, self.tensor_parallel.shutdown)
+        try:
+            self.model_runner = ModelRunner(
+                config, self.model_config, path, self.device, self.dtype, max_len,
+                self.eos_token_ids,
+                plan_sink=self.tensor_parallel.send_plan if self.tensor_parallel else None)
+            if self.tensor_parallel is not None:
+                self.tensor_parallel.wait_until_built()
+        except BaseException as e:
+            error = self.tensor_parallel.worker_error() if self.tensor_parallel else None
+            self.shutdown()
+            if error is not None and "tensor-parallel" not in str(e):
+                raise RuntimeError(f"a tensor-parallel rank failed while starting: {error}") from e
+            raise
         self.max_model_len = self.model_runner.max_model_len
         config.max_model_len = self.max_model_len
         self.kv = KVCacheManager(self.model_runner.num_blocks, config.block_size,
@@ -139,6 +161,13 @@ class LLMEngine:
                     self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
                 self.requests.pop(child.request_id, None)
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes (nothing to do without them). The
+        engine cannot step after this; a process can then start another parallel engine."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.shutdown()
+            self.tensor_parallel = None
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.parents or self._failed)
 
@@ -154,7 +183,12 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.total_num_scheduled_tokens == 0:
             raise RuntimeError("the scheduler could not schedule any request")
-        result = self.model_runner.execute(plan)
+        try:
+            result = self.model_runner.execute(plan)
+        except BaseException as e:
+            if self.tensor_parallel is not None:
+                self.tensor_parallel.mark_broken(f"{type(e).__name__}: {e}")
+            raise
         now = time.monotonic()
         self.num_steps += 1
         for req_id, n in plan.num_scheduled_tokens.items():

@@ -18,6 +18,7 @@ from batchinfer.engine.sampler import Sampler, SamplingBatch
 from batchinfer.engine.scheduler import SchedulerOutput
 from batchinfer.model import cpu_linear
 from batchinfer.model.loader import load_model
+from batchinfer.model.parallel import TensorParallel
 from batchinfer.sampling_params import SamplingParams
 
 CPU_DEFAULT_KV_BYTES = 4 << 30
@@ -48,8 +49,11 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config, model_path, device: torch.device,
-                 dtype: torch.dtype, max_model_len: int, eos_token_ids: frozenset[int]):
+                 dtype: torch.dtype, max_model_len: int, eos_token_ids: frozenset[int],
+                 plan_sink=None):
         self.config = config
+        # tensor parallelism, on rank 0: hands each plan to the other ranks before running it
+        self.plan_sink = plan_sink
         self.device = device
         self.dtype = dtype
         self.block_size = config.block_size
@@ -68,7 +72,8 @@ class ModelRunner:
         attn = self.model.model.layers[0].self_attn
         self.num_layers = len(self.model.model.layers)
         self.kv_shape = (self.block_size, attn.num_kv_heads, attn.head_dim)
-        self.num_blocks = self._num_kv_blocks(max_model_len)
+        # every rank must hold the same blocks: the smallest pool any rank can afford
+        self.num_blocks = TensorParallel.min_across_ranks(self._num_kv_blocks(max_model_len))
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self.max_model_len = min(max_model_len, self.num_blocks * self.block_size)
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
@@ -82,7 +87,8 @@ class ModelRunner:
         # tensors (the torch backend plans on the host each step)
         self.graphs: DecodeGraphs | None = None
         self.num_graph_steps = 0
-        if device.type == "cuda" and not config.enforce_eager and self.backend.name == "triton":
+        if (device.type == "cuda" and not config.enforce_eager and self.backend.name == "triton"
+                and TensorParallel.size == 1):
             self.graphs = self.build_decode_graphs()
 
     def build_decode_graphs(self, capture: bool = True) -> DecodeGraphs:
@@ -219,6 +225,8 @@ class ModelRunner:
     # ---- the step --------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        if self.plan_sink is not None:
+            self.plan_sink(plan)
         self._update_states(plan)
         starts_by_id = dict(zip(plan.cached_requests.req_ids,
                                 plan.cached_requests.num_computed_tokens))

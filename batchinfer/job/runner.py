@@ -188,6 +188,9 @@ def _run_engine(options: JobOptions, source: Source, plan: _Plan, writer: PartWr
             return loop.run(stop)
         finally:
             progress.close()
+            shutdown = getattr(engine, "shutdown", None)  # tensor-parallel workers
+            if shutdown is not None:
+                shutdown()
     finally:
         metrics.close()
 

@@ -16,7 +16,17 @@ class TensorParallel:
 
     rank: int = 0
     size: int = 1
-    group = None
+    group = None       # the device collectives' group
+    cpu_group = None   # gloo, for host-side agreements
+
+    @classmethod
+    def min_across_ranks(cls, n: int) -> int:
+        """The smallest of every rank's n (rank-local sizing made to agree)."""
+        if cls.size == 1:
+            return n
+        t = torch.tensor([n], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=cls.cpu_group)
+        return int(t.item())
 
     @classmethod
     def all_reduce(cls, x: torch.Tensor) -> torch.Tensor:

@@ -155,9 +155,12 @@ def test_bench_is_a_batchinfer_subcommand():
 def test_engine_flags_reach_the_engine(cache_dir):
     _, summary = run_bench(cache_dir, "--num-prompts", "2", "--input-len", "8",
                            "--output-len", "2", "--gpu-memory-utilization", "0.5",
-                           "--tensor-parallel-size", "1")
+                           "--tensor-parallel-size", "2")
     engine = summary["engine"]
-    assert engine["gpu_memory_utilization"] == 0.5 and engine["tensor_parallel_size"] == 1
+    assert engine["gpu_memory_utilization"] == 0.5 and engine["tensor_parallel_size"] == 2
+    assert summary["output_tokens"] == 4
+    from torch import distributed
+    assert not distributed.is_initialized()  # the run shut its workers down
     assert engine["trust_remote_code"] is False and engine["tokenizer"] is None
 
 
@@ -180,7 +183,8 @@ def test_load_format_dummy_skips_a_directorys_weights(cache_dir, tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--tensor-parallel-size", "2"], "tensor_parallel_size"),
+    (["--tensor-parallel-size", "3"], "tensor_parallel_size 3 does not divide"),
+    (["--model-stub", "--tensor-parallel-size", "2"], "drop --tensor-parallel-size"),
     (["--gpu-memory-utilization", "1.5"], "0<x<=1"),
 ])
 def test_engine_flag_errors(cache_dir, args, message):

@@ -1,0 +1,261 @@
+"""Tensor parallelism across processes: rank 0 is the engine's own process, ranks 1..N-1
+are worker processes started here. Every rank builds the same model runner over its shard
+of the weights and KV heads (batchinfer.model.parallel cuts them); rank 0 schedules and
+sends each step's plan to the workers, and all ranks execute it together, meeting in the
+all-reduces of the forward pass.
+
+Plans travel over a pipe to each worker rather than a collective: a worker waits for its
+next plan as long as rank 0 is idle (a collective would time out), and a pipe closes when
+either end dies. Every rank samples from the same all-gathered logits with identically
+seeded generators, so each keeps its own copy of every request's tokens unsent.
+
+Process groups: NCCL on CUDA (rank r on device index + r), gloo on CPU. CUDA graphs are
+not captured across ranks: tensor-parallel decode steps run eagerly.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import queue
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from batchinfer.config import EngineConfig
+from batchinfer.model.parallel import TensorParallel
+
+STARTUP_TIMEOUT_S = 600.0       # for every worker to start and import torch
+JOIN_TIMEOUT_S = 30.0           # for a worker to exit after shutdown
+
+
+@dataclass
+class RunnerArgs:
+    """What a worker needs to build the same ModelRunner as rank 0 (for its own rank)."""
+    config: EngineConfig
+    hf_config: Any
+    model_path: Path
+    device: torch.device        # rank 0's
+    dtype: torch.dtype
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+
+
+def check_divisible(hf_config, size: int) -> None:
+    """A clear error before any process starts when the model cannot be split size ways."""
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        n = getattr(hf_config, name, None) or getattr(hf_config, "num_attention_heads")
+        if n % size:
+            raise ValueError(f"tensor_parallel_size {size} does not divide the model's {name} "
+                             f"({n}); use a divisor of it")
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    if device.type == "cuda":
+        return torch.device("cuda", (device.index or 0) + rank)
+    return device
+
+
+def _join(rank: int, size: int, init_file: str, device: torch.device) -> None:
+    """Join the group and point the parallel layers at it."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    previous = os.environ.get("GLOO_SOCKET_IFNAME")
+    if sys.platform == "linux" and previous is None:
+        # every rank is on this machine: gloo over loopback, whatever the hostname resolves to
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    try:
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                                world_size=size, timeout=timedelta(minutes=30))
+        # host-side agreements (KV block counts) go over gloo whatever the device backend
+        cpu_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
+    finally:
+        if previous is None:
+            os.environ.pop("GLOO_SOCKET_IFNAME", None)
+    TensorParallel.rank, TensorParallel.size = rank, size
+    TensorParallel.group, TensorParallel.cpu_group = dist.group.WORLD, cpu_group
+
+
+def _leave() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    TensorParallel.rank, TensorParallel.size = 0, 1
+    TensorParallel.group = TensorParallel.cpu_group = None
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this worker when rank 0's process dies, even while it is
+    blocked in a collective."""
+    if sys.platform != "linux":
+        return
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _worker_main(rank: int, size: int, init_file: str, args: RunnerArgs, threads: int,
+                 plans, reports) -> None:
+    # Ctrl-C, SIGTERM from Slurm or `timeout` reach the whole process group: rank 0 finishes
+    # its step and shuts the workers down, so they must not die first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _die_with_parent()
+    from batchinfer.engine.model_runner import ModelRunner
+    try:
+        torch.set_num_threads(threads)
+        device = rank_device(args.device, rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        reports.put(("joining", rank, ""))
+        _join(rank, size, init_file, args.device)
+        runner = ModelRunner(args.config, args.hf_config, args.model_path, device, args.dtype,
+                             args.max_model_len, args.eos_token_ids)
+        reports.put(("built", rank, ""))
+        while True:
+            try:
+                data = plans.recv_bytes()
+            except EOFError:  # rank 0 is gone
+                break
+            if not data:      # shutdown
+                break
+            runner.execute(pickle.loads(data))
+    except BaseException:
+        reports.put(("error", rank, traceback.format_exc()))
+        raise
+    finally:
+        _leave()
+
+
+class TensorParallelGroup:
+    """Rank 0's side: starts the workers, joins the group, sends plans, shuts down."""
+
+    def __init__(self, size: int, args: RunnerArgs):
+        if dist.is_initialized():
+            raise RuntimeError("a tensor-parallel engine is already running in this process "
+                               "(or torch.distributed is in use); call shutdown() on it first")
+        device = args.device
+        if device.type == "cuda" and (device.index or 0) + size > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size {size} from {device} needs devices up to "
+                             f"cuda:{(device.index or 0) + size - 1}, but "
+                             f"{torch.cuda.device_count()} are visible")
+        self.size = size
+        self._closed = False
+        self._broken: str | None = None
+        self._dir = tempfile.mkdtemp(prefix="batchinfer-tp-")
+        init_file = os.path.join(self._dir, "rendezvous")
+        ctx = multiprocessing.get_context("spawn")
+        self._reports = ctx.Queue()
+        self._errors: list[str] = []
+        # on CPU the ranks share the cores: each gets its part of torch's threads
+        self._threads = torch.get_num_threads()
+        threads = max(1, self._threads // size) if device.type == "cpu" else self._threads
+        if device.type == "cpu":
+            torch.set_num_threads(threads)
+        self._pipes, self.workers = [], []
+        try:
+            for rank in range(1, size):
+                recv, send = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=_worker_main, name=f"batchinfer-tp{rank}", daemon=True,
+                                   args=(rank, size, init_file, args, threads, recv,
+                                         self._reports))
+                self._pipes.append(send)
+                proc.start()
+                recv.close()
+                self.workers.append(proc)
+            self._wait_for("joining")
+            _join(0, size, init_file, device)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _wait_for(self, stage: str) -> None:
+        """Every worker reports `stage`, or the first failure is raised with its traceback."""
+        reached, deadline = set(), time.monotonic() + STARTUP_TIMEOUT_S
+        while len(reached) < len(self.workers):
+            try:
+                kind, rank, text = self._reports.get(timeout=0.5)
+            except queue.Empty:
+                dead = [p for p in self.workers if not p.is_alive()]
+                if dead:
+                    error = self.worker_error() or f"exit code {dead[0].exitcode}"
+                    raise RuntimeError(f"tensor-parallel worker {dead[0].name} failed while "
+                                       f"starting: {error}") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"tensor-parallel workers did not reach '{stage}' within "
+                                       f"{STARTUP_TIMEOUT_S:.0f} s") from None
+                continue
+            if kind == "error":
+                raise RuntimeError(f"tensor-parallel rank {rank} failed:\n{text}")
+            if kind == stage:
+                reached.add(rank)
+
+    def wait_until_built(self) -> None:
+        """After rank 0 built its runner: every worker built its own."""
+        self._wait_for("built")
+
+    def worker_error(self) -> str | None:
+        """The first error a worker reported, if any."""
+        try:
+            while True:
+                kind, rank, text = self._reports.get(timeout=0.1)
+                if kind == "error":
+                    self._errors.append(f"rank {rank}: {text}")
+        except (queue.Empty, OSError, ValueError):
+            pass
+        return self._errors[0] if self._errors else None
+
+    def mark_broken(self, why: str) -> None:
+        """Rank 0 left a step part way: the workers may be inside its collectives."""
+        self._broken = why
+
+    def send_plan(self, plan) -> None:
+        if self._closed:
+            raise RuntimeError("this engine was shut down")
+        if self._broken is not None:
+            raise RuntimeError(f"an earlier step failed part way ({self._broken}), so the "
+                               "tensor-parallel ranks are out of step; shut this engine down "
+                               "and start a new one")
+        data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            for pipe in self._pipes:
+                pipe.send_bytes(data)
+        except OSError as e:
+            error = self.worker_error() or str(e)
+            self._broken = "a worker is gone"
+            raise RuntimeError(f"a tensor-parallel worker is gone: {error}") from None
+
+    def shutdown(self) -> None:
+        """Stop the workers and leave the group; the engine cannot step after this."""
+        if self._closed:
+            return
+        self._closed = True
+        for pipe in self._pipes:
+            try:
+                pipe.send_bytes(b"")
+                pipe.close()
+            except OSError:
+                pass
+        self._pipes = []
+        _leave()  # before joining: NCCL's teardown may wait for every rank
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        for proc in self.workers:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():  # stuck in a collective of a step rank 0 left
+                proc.kill()
+                proc.join(5)
+        self.workers = []
+        self._reports.close()
+        torch.set_num_threads(self._threads)
+        shutil.rmtree(self._dir, ignore_errors=True)
