@@ -81,6 +81,10 @@ def _options(f):
         O("--trust-remote-code", is_flag=True, default=None),
         O("--allow-pickle-weights", is_flag=True, default=None),
         # The job
+        O("--num-shards", type=click.IntRange(min=1),
+          help="Split the input among this many independent runs (e.g. a Slurm array)."),
+        O("--shard-index", type=click.IntRange(min=0),
+          help="Which of --num-shards this run takes; it writes OUTDIR/shard-I-of-N."),
         O("--reorder-window", type=int,
           help="Rows read ahead and grouped by shared prefix (default 4096; 0 = input order)."),
         O("--commit-rows", type=int, help="Commit a part every N finished rows (default 10000)."),

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from batchinfer.job.errors import JobError
+from batchinfer.job.shard import Shard
 from batchinfer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -104,6 +105,8 @@ class JobOptions:
     trust_remote_code: bool | None = None
     allow_pickle_weights: bool | None = None
     # The job itself
+    num_shards: int = 1
+    shard_index: int = 0
     reorder_window: int = 4096
     commit_rows: int = 10000
     commit_seconds: float = 60.0
@@ -141,6 +144,9 @@ class JobOptions:
             ("progress_interval", self.progress_interval > 0, "must be > 0"),
             ("metrics_interval", self.metrics_interval > 0, "must be > 0"),
             ("limit", self.limit is None or self.limit >= 0, "must be >= 0"),
+            ("num_shards", self.num_shards >= 1, "must be >= 1"),
+            ("shard_index", 0 <= self.shard_index < max(self.num_shards, 1),
+             f"must be in [0, --num-shards) = [0, {self.num_shards})"),
             ("metrics_port", self.metrics_port is None or 0 <= self.metrics_port <= 65535,
              "must be in [0, 65535]"),
             ("output_format", self.output_format in OUTPUT_FORMATS,
@@ -202,4 +208,13 @@ class JobOptions:
             "id_column": self.id_column,
             "save_token_ids": self.save_token_ids,
             "sampling": params,
+            **({"shard": [self.shard_index, self.num_shards]} if self.num_shards > 1 else {}),
         }
+
+    def shard(self) -> Shard | None:
+        return Shard(self.shard_index, self.num_shards) if self.num_shards > 1 else None
+
+    def output_dir(self) -> str:
+        """Where this process writes: OUTDIR, or its shard's directory inside it."""
+        shard = self.shard()
+        return str(shard.directory(self.output)) if shard is not None else self.output

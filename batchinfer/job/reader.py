@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 from batchinfer.job.errors import JobError
 from batchinfer.job.rangeset import RangeSet
 from batchinfer.job.schema import ColumnTypes, encode_json_columns
+from batchinfer.job.shard import BLOCK_ROWS, Shard
 
 BATCH_ROWS = 1024
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".ndjson": "json",
@@ -99,10 +100,11 @@ class Source:
         return Inspection(types.columns, rows, types=types)
 
     def batches(self, schema: pa.Schema, json_columns: set[str], done: RangeSet,
-                stop: int | None = None) -> Iterator[list[InputRow]]:
-        """Rows not in `done` with index < `stop`, in input order, in batches."""
+                stop: int | None = None, shard: Shard | None = None) -> Iterator[list[InputRow]]:
+        """Rows not in `done` with index < `stop` (and owned by `shard`), in input order,
+        in batches."""
         if self.format in ("parquet", "arrow"):
-            yield from self._columnar_batches(schema, done, stop)
+            yield from self._columnar_batches(schema, done, stop, shard)
             return
         converters = _csv_converters(schema) if self.format == "csv" else None
         batch: list[InputRow] = []
@@ -111,7 +113,7 @@ class Source:
             index += 1
             if stop is not None and index >= stop:
                 break
-            if index in done:
+            if index in done or (shard is not None and not shard.owns(index)):
                 continue
             values, error = self._parse(raw, converters)
             if error is not None:
@@ -145,8 +147,8 @@ class Source:
         return _parse_json(raw)
 
     # ---- columnar formats ------------------------------------------------------------
-    def _columnar_batches(self, schema: pa.Schema, done: RangeSet,
-                          stop: int | None) -> Iterator[list[InputRow]]:
+    def _columnar_batches(self, schema: pa.Schema, done: RangeSet, stop: int | None,
+                          shard: Shard | None) -> Iterator[list[InputRow]]:
         start = 0
         for batch in self._arrow_batches():
             end = start + batch.num_rows
@@ -156,11 +158,13 @@ class Source:
                 if stop is not None and first >= stop:
                     return
                 continue
-            if done.covers(first, last):
-                continue
-            rows = _conform(batch.slice(0, last - first), schema).to_pylist()
-            out = [InputRow(first + i, values) for i, values in enumerate(rows)
-                   if first + i not in done]
+            out: list[InputRow] = []
+            for a, b in _owned_runs(first, last, shard):
+                if done.covers(a, b):
+                    continue
+                rows = _conform(batch.slice(a - first, b - a), schema).to_pylist()
+                out += [InputRow(a + i, values) for i, values in enumerate(rows)
+                        if a + i not in done]
             if out:
                 yield out
 
@@ -176,6 +180,18 @@ class Source:
         if self.files:
             return _load_from_disk(Path(self.dataset_path), self.split, self.spec)
         return _load_hub_dataset(self.dataset_path, self.split or "train", self.spec)
+
+
+def _owned_runs(first: int, last: int, shard: Shard | None) -> Iterator[tuple[int, int]]:
+    """The runs of rows in [first, last) that `shard` owns (all of them without one)."""
+    if shard is None:
+        yield first, last
+        return
+    a = shard.next_owned(first)
+    while a < last:
+        b = min(last, (a // BLOCK_ROWS + 1) * BLOCK_ROWS)
+        yield a, b
+        a = shard.next_owned(b)
 
 
 def open_input(spec: str, split: str | None = None) -> Source:

@@ -30,6 +30,7 @@ from batchinfer.job.prompts import (PromptBuilder, PromptSpec, WorkItem, check_k
 from batchinfer.job.rangeset import RangeSet
 from batchinfer.job.reader import Source, open_input
 from batchinfer.job.schema import schema_from_json, schema_to_json
+from batchinfer.job.shard import check_layout
 from batchinfer.job.summary import compute_summary, print_table, write_summary
 from batchinfer.job.writer import PartWriter, error_rows, output_schema, sample_rows
 
@@ -128,12 +129,16 @@ def run_job(options: JobOptions, engine_factory: EngineFactory | None = None,
         check_model(options.model)
         engine_factory = load_engine
     source = open_input(options.input, options.split)
-    outdir = OutputDir(options.output)
+    check_layout(options.output, options.shard())
+    outdir = OutputDir(options.output_dir())
     plan = _plan(options, source, outdir)
     manifest = plan.manifest
     known = manifest.num_input_rows
     total = known if options.limit is None else (
         options.limit if known is None else min(known, options.limit))
+    shard = options.shard()
+    if shard is not None and total is not None:
+        total = shard.rows_below(total)
 
     with StopSignals() as stop:
         outdir.open(manifest, plan.fresh)
@@ -210,7 +215,8 @@ class _Loop:
                                      engine.render_chat)
         self.window: ReorderWindow[WorkItem] = ReorderWindow(options.reorder_window)
         self.target = max(1, 2 * engine.config.max_num_seqs // params.n)
-        self.batches = source.batches(plan.input_schema, plan.json_columns, done, options.limit)
+        self.batches = source.batches(plan.input_schema, plan.json_columns, done, options.limit,
+                                      options.shard())
         self.exhausted = False
         self.inflight: dict[str, WorkItem] = {}
         self.finished: list[list[dict[str, Any]]] = []  # output rows of rows just finished
