@@ -106,7 +106,7 @@ class JobOptions:
     allow_pickle_weights: bool | None = None
     # The job itself
     num_shards: int = 1
-    shard_index: int = 0
+    shard_index: int | None = None
     reorder_window: int = 4096
     commit_rows: int = 10000
     commit_seconds: float = 60.0
@@ -145,7 +145,8 @@ class JobOptions:
             ("metrics_interval", self.metrics_interval > 0, "must be > 0"),
             ("limit", self.limit is None or self.limit >= 0, "must be >= 0"),
             ("num_shards", self.num_shards >= 1, "must be >= 1"),
-            ("shard_index", 0 <= self.shard_index < max(self.num_shards, 1),
+            ("shard_index", self.shard_index is None
+             or 0 <= self.shard_index < max(self.num_shards, 1),
              f"must be in [0, --num-shards) = [0, {self.num_shards})"),
             ("metrics_port", self.metrics_port is None or 0 <= self.metrics_port <= 65535,
              "must be in [0, 65535]"),
@@ -155,6 +156,9 @@ class JobOptions:
         for name, ok, why in checks:
             if not ok:
                 raise JobError(f"{flag(name)} {why}, got {getattr(self, name)!r}")
+        if self.num_shards > 1 and self.shard_index is None:
+            raise JobError(f"--num-shards {self.num_shards} needs --shard-index (which shard "
+                           "this run takes)")
         if self.prompt_column and self.messages_column:
             raise JobError("give only one of --prompt-column and --messages-column")
         self.sampling_params()
@@ -212,7 +216,7 @@ class JobOptions:
         }
 
     def shard(self) -> Shard | None:
-        return Shard(self.shard_index, self.num_shards) if self.num_shards > 1 else None
+        return Shard(self.shard_index or 0, self.num_shards) if self.num_shards > 1 else None
 
     def output_dir(self) -> str:
         """Where this process writes: OUTDIR, or its shard's directory inside it."""

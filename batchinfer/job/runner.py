@@ -129,7 +129,8 @@ def run_job(options: JobOptions, engine_factory: EngineFactory | None = None,
         check_model(options.model)
         engine_factory = load_engine
     source = open_input(options.input, options.split)
-    check_layout(options.output, options.shard())
+    check_layout(options.output, options.shard(),
+                 {"input": source.identity(), **options.identity()})
     outdir = OutputDir(options.output_dir())
     plan = _plan(options, source, outdir)
     manifest = plan.manifest

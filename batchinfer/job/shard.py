@@ -12,8 +12,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from batchinfer.job.errors import JobError
+from batchinfer.job.manifest import META_DIR, OutputDir, job_differences
 
 BLOCK_ROWS = 1024
 
@@ -42,25 +44,44 @@ class Shard:
         return Path(output) / f"shard-{self.index:05d}-of-{self.count:05d}"
 
 
-_SHARD_DIR = re.compile(r"shard-(\d{5})-of-(\d{5})")
+_SHARD_DIR = re.compile(r"shard-(\d{5,})-of-(\d{5,})")
 
 
-def check_layout(output: str | Path, shard: Shard | None) -> None:
-    """OUTDIR holds one kind of output: one job's, or the shards of one split."""
+def check_layout(output: str | Path, shard: Shard | None, job: dict[str, Any]) -> None:
+    """OUTDIR holds one kind of output: one job's, or the shards of one split of one job
+    (`job`, the description its manifests record)."""
     path = Path(output).expanduser()
+    if path.exists() and not path.is_dir():
+        raise JobError(f"--output {path} is a file, not a directory")
     if not path.is_dir():
         return
-    counts = {int(m.group(2)) for p in path.iterdir() if (m := _SHARD_DIR.fullmatch(p.name))}
-    if shard is None and counts:
-        raise JobError(f"--output {path} holds the shards of a {max(counts)}-way split; run "
-                       f"with --num-shards {max(counts)} --shard-index I, or choose another "
-                       "--output")
-    if shard is not None:
-        if (path / "__batchinfer__").is_dir():
-            raise JobError(f"--output {path} holds the output of an unsharded job; choose "
-                           "another --output for a sharded run")
-        other = counts - {shard.count}
-        if other:
-            raise JobError(f"--output {path} holds the shards of a {max(other)}-way split, "
-                           f"not {shard.count}; use --num-shards {max(other)} or another "
+    shards = {p: int(m.group(2)) for p in path.iterdir()
+              if (m := _SHARD_DIR.fullmatch(p.name)) and p.is_dir()}
+    counts = set(shards.values())
+    if shard is None:
+        if counts:
+            raise JobError(f"--output {path} holds the shards of a {max(counts)}-way split; run "
+                           f"with --num-shards {max(counts)} --shard-index I, or choose another "
                            "--output")
+        return
+    if (path / META_DIR).is_dir():
+        raise JobError(f"--output {path} holds the output of an unsharded job (--overwrite "
+                       "does not change the layout); choose another --output")
+    other = counts - {shard.count}
+    if other:
+        raise JobError(f"--output {path} holds the shards of a {max(other)}-way split, "
+                       f"not {shard.count}; use --num-shards {max(other)} or another --output")
+    # a sibling shard that wrote rows must be the same job, or OUTDIR would mix two jobs
+    mine = {k: v for k, v in job.items() if k != "shard"}
+    for directory in sorted(shards):
+        if directory == shard.directory(path):
+            continue
+        manifest = OutputDir(directory).read_manifest()
+        if manifest is None or not manifest.parts:
+            continue
+        theirs = {k: v for k, v in manifest.job.items() if k != "shard"}
+        if theirs != mine:
+            diff = ", ".join(job_differences(theirs, mine)) or "settings"
+            raise JobError(f"--output {path}: {directory.name} holds rows of a different job "
+                           f"({diff} differ); run the same job in every shard, or choose "
+                           "another --output")

@@ -61,7 +61,7 @@ def _job(tmp_path, rows: int, **kwargs) -> JobOptions:
     if not path.exists():
         path.write_text("".join(json.dumps({"prompt": f"row {i}"}) + "\n" for i in range(rows)))
     return JobOptions(input=str(path), model="stand-in", output=str(tmp_path / "out"),
-                      max_tokens=2, progress=False, **kwargs)
+                      progress=False, **{"max_tokens": 2, **kwargs})
 
 
 def _run(options: JobOptions):
@@ -106,6 +106,17 @@ def test_mixed_layouts_are_refused(tmp_path):
         _run(sharded)
     with pytest.raises(JobError, match=r"--shard-index must be in \[0, --num-shards\)"):
         _run(_job(tmp_path, 10, num_shards=2, shard_index=2))
+    with pytest.raises(JobError, match="needs --shard-index"):
+        _run(_job(tmp_path, 10, num_shards=2))
+    # a sibling shard of another job (here: other sampling) would mix two jobs in OUTDIR
+    with pytest.raises(JobError, match=r"shard-00000-of-00002 holds rows of a different job "
+                                       r"\(sampling.max_tokens differ\)"):
+        _run(_job(tmp_path, 10, num_shards=2, shard_index=1, max_tokens=3))
+    (tmp_path / "file").write_text("")
+    on_file = _job(tmp_path, 10, num_shards=2, shard_index=1)
+    on_file.output = str(tmp_path / "file")
+    with pytest.raises(JobError, match="is a file"):
+        _run(on_file)
 
 
 def test_cli_flags(tmp_path, run_cli):

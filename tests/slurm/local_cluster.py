@@ -269,12 +269,15 @@ class LocalSlurm:
         # The node line as slurmd -C prints it (CPUs, sockets, cores, threads, RealMemory),
         # so the node registers with exactly the configured resources and is not drained.
         node = " ".join(f"{k}={v}" for k, v in fields.items() if k != "UpTime")
+        ctld_port = _free_port()
+        while (slurmd_port := _free_port()) == ctld_port:
+            pass
         conf = f"""\
 # Written by tests/slurm/local_cluster.py
 ClusterName={self.cluster_name}
 SlurmctldHost={self.node_name}(127.0.0.1)
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
