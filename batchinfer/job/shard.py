@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from batchinfer.job.errors import JobError
-from batchinfer.job.manifest import META_DIR, OutputDir, job_differences
+from batchinfer.job.manifest import META_DIR, OutputDir, fingerprint, job_differences
 
 BLOCK_ROWS = 1024
 
@@ -80,7 +80,7 @@ def check_layout(output: str | Path, shard: Shard | None, job: dict[str, Any]) -
         if manifest is None or not manifest.parts:
             continue
         theirs = {k: v for k, v in manifest.job.items() if k != "shard"}
-        if theirs != mine:
+        if fingerprint(theirs) != fingerprint(mine):  # (as JSON: tuples read back as lists)
             diff = ", ".join(job_differences(theirs, mine)) or "settings"
             raise JobError(f"--output {path}: {directory.name} holds rows of a different job "
                            f"({diff} differ); run the same job in every shard, or choose "

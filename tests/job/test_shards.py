@@ -122,8 +122,10 @@ def test_mixed_layouts_are_refused(tmp_path):
 def test_cli_flags(tmp_path, run_cli):
     path = tmp_path / "in.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"row {i}"}) + "\n" for i in range(3)))
-    result = run_cli(path, "-o", tmp_path / "out", "--max-tokens", "2", "--num-shards", "2",
-                     "--shard-index", "0")
-    assert result.exit_code == 0, result.output
+    for index in ("0", "1"):  # the same job in both, with a list-valued setting (--stop)
+        result = run_cli(path, "-o", tmp_path / "out", "--max-tokens", "2", "--stop", "zz",
+                         "--num-shards", "2", "--shard-index", index)
+        assert result.exit_code == 0, result.output
     table = ds.dataset(tmp_path / "out" / "shard-00000-of-00002").to_table()
     assert sorted(table.column("id").to_pylist()) == [0, 1, 2]  # the first block is shard 0's
+    assert not list((tmp_path / "out" / "shard-00001-of-00002").glob("*.parquet"))
