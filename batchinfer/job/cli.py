@@ -163,12 +163,17 @@ def run(ctx: click.Context, input: str | None, config: str | None, **flags: Any)
 @click.option("--rows-per-file", type=int, default=1_000_000, show_default=True,
               help="Rows per merged Parquet file.")
 def merge(outdir: str, rows_per_file: int) -> None:
-    """Compact the part files of OUTDIR into one (or a few) Parquet files."""
+    """Compact the part files of OUTDIR (or of each of its shard directories) into one or
+    a few Parquet files."""
     from batchinfer.job.manifest import OutputDir
     from batchinfer.job.merge import merge_parts
+    from batchinfer.job.shard import shard_dirs
+    target = OutputDir(outdir)
+    dirs = [target] if target.meta.is_dir() else [OutputDir(d) for d in shard_dirs(outdir)]
     try:
-        before, after = merge_parts(OutputDir(outdir), rows_per_file)
+        for directory in dirs or [target]:  # (no output at all: merge_parts says so)
+            before, after = merge_parts(directory, rows_per_file)
+            click.echo(f"batchinfer: {directory.path}: {before} part file(s) -> {after}")
     except JobError as e:
         raise FatalError(str(e)) from None
-    click.echo(f"batchinfer: {outdir}: {before} part file(s) -> {after}")
 

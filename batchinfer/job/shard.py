@@ -47,6 +47,14 @@ class Shard:
 _SHARD_DIR = re.compile(r"shard-(\d{5,})-of-(\d{5,})")
 
 
+def shard_dirs(output: str | Path) -> list[Path]:
+    """The shard directories in OUTDIR, in order."""
+    path = Path(output).expanduser()
+    if not path.is_dir():
+        return []
+    return sorted(p for p in path.iterdir() if _SHARD_DIR.fullmatch(p.name) and p.is_dir())
+
+
 def check_layout(output: str | Path, shard: Shard | None, job: dict[str, Any]) -> None:
     """OUTDIR holds one kind of output: one job's, or the shards of one split of one job
     (`job`, the description its manifests record)."""
@@ -55,8 +63,7 @@ def check_layout(output: str | Path, shard: Shard | None, job: dict[str, Any]) -
         raise JobError(f"--output {path} is a file, not a directory")
     if not path.is_dir():
         return
-    shards = {p: int(m.group(2)) for p in path.iterdir()
-              if (m := _SHARD_DIR.fullmatch(p.name)) and p.is_dir()}
+    shards = {p: int(_SHARD_DIR.fullmatch(p.name).group(2)) for p in shard_dirs(path)}
     counts = set(shards.values())
     if shard is None:
         if counts:

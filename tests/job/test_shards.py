@@ -129,3 +129,21 @@ def test_cli_flags(tmp_path, run_cli):
     table = ds.dataset(tmp_path / "out" / "shard-00000-of-00002").to_table()
     assert sorted(table.column("id").to_pylist()) == [0, 1, 2]  # the first block is shard 0's
     assert not list((tmp_path / "out" / "shard-00001-of-00002").glob("*.parquet"))
+
+
+def test_merge_of_a_sharded_outdir_merges_each_shard(tmp_path):
+    from click.testing import CliRunner
+
+    from batchinfer.job.cli import merge
+    rows = BLOCK_ROWS + 200
+    for index in (0, 1):
+        assert _run(_job(tmp_path, rows, num_shards=2, shard_index=index,
+                         commit_rows=100)).exit_code == 0
+    out = tmp_path / "out"
+    before = sorted(ds.dataset(out).to_table().column("id").to_pylist())
+    assert len(list(out.glob("shard-*/*.parquet"))) > 2
+    result = CliRunner().invoke(merge, [str(out)])
+    assert result.exit_code == 0, result.output
+    assert result.output.count("part file(s) -> 1") == 2
+    assert len(list(out.glob("shard-*/*.parquet"))) == 2
+    assert sorted(ds.dataset(out).to_table().column("id").to_pylist()) == before == list(range(rows))
