@@ -175,6 +175,8 @@ class TensorParallelGroup:
                 recv.close()
                 self.workers.append(proc)
             self._wait_for("joining")
+            if device.type == "cuda":  # NCCL binds each rank to its current device
+                torch.cuda.set_device(rank_device(device, 0))
             _join(0, size, init_file, device)
         except BaseException:
             self.shutdown()
