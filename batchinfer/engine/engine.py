@@ -14,7 +14,8 @@ from batchinfer.engine.kv_cache_manager import KVCacheManager
 from batchinfer.engine.model_runner import ModelRunner
 from batchinfer.engine.request import Request, RequestStatus
 from batchinfer.engine.scheduler import Scheduler
-from batchinfer.engine.tensor_parallel import RunnerArgs, TensorParallelGroup, check_divisible
+from batchinfer.engine.tensor_parallel import (RunnerArgs, TensorParallelGroup, WorkerError,
+                                                check_divisible)
 from batchinfer.model.loader import architecture, resolve_model_path
 from batchinfer.model.parallel import TensorParallel
 from batchinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -71,7 +72,7 @@ class LLMEngine:
         except BaseException as e:
             error = self.tensor_parallel.worker_error() if self.tensor_parallel else None
             self.shutdown()
-            if error is not None and "tensor-parallel" not in str(e):
+            if error is not None and not isinstance(e, WorkerError):
                 raise RuntimeError(f"a tensor-parallel rank failed while starting: {error}") from e
             raise
         self.max_model_len = self.model_runner.max_model_len

@@ -39,6 +39,10 @@ STARTUP_TIMEOUT_S = 600.0       # for every worker to start and import torch
 JOIN_TIMEOUT_S = 30.0           # for a worker to exit after shutdown
 
 
+class WorkerError(RuntimeError):
+    """A worker rank failed or is gone; the message carries what it reported."""
+
+
 @dataclass
 class RunnerArgs:
     """What a worker needs to build the same ModelRunner as rank 0 (for its own rank)."""
@@ -150,7 +154,6 @@ class TensorParallelGroup:
             raise ValueError(f"tensor_parallel_size {size} from {device} needs devices up to "
                              f"cuda:{(device.index or 0) + size - 1}, but "
                              f"{torch.cuda.device_count()} are visible")
-        self.size = size
         self._closed = False
         self._broken: str | None = None
         self._dir = tempfile.mkdtemp(prefix="batchinfer-tp-")
@@ -192,14 +195,14 @@ class TensorParallelGroup:
                 dead = [p for p in self.workers if not p.is_alive()]
                 if dead:
                     error = self.worker_error() or f"exit code {dead[0].exitcode}"
-                    raise RuntimeError(f"tensor-parallel worker {dead[0].name} failed while "
+                    raise WorkerError(f"tensor-parallel worker {dead[0].name} failed while "
                                        f"starting: {error}") from None
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"tensor-parallel workers did not reach '{stage}' within "
                                        f"{STARTUP_TIMEOUT_S:.0f} s") from None
                 continue
             if kind == "error":
-                raise RuntimeError(f"tensor-parallel rank {rank} failed:\n{text}")
+                raise WorkerError(f"tensor-parallel rank {rank} failed:\n{text}")
             if kind == stage:
                 reached.add(rank)
 
@@ -236,7 +239,7 @@ class TensorParallelGroup:
         except OSError as e:
             error = self.worker_error() or str(e)
             self._broken = "a worker is gone"
-            raise RuntimeError(f"a tensor-parallel worker is gone: {error}") from None
+            raise WorkerError(f"a tensor-parallel worker is gone: {error}") from None
 
     def shutdown(self) -> None:
         """Stop the workers and leave the group; the engine cannot step after this."""
