@@ -1,7 +1,7 @@
 """What generate() returns: vLLM-shaped request and completion outputs."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Sampling parameters with vLLM's names and meanings."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 
 @dataclass

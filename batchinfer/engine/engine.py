@@ -70,10 +70,16 @@ class LLMEngine:
             if self.tensor_parallel is not None:
                 self.tensor_parallel.wait_until_built()
         except BaseException as e:
-            error = self.tensor_parallel.worker_error() if self.tensor_parallel else None
+            # a worker that failed or died first explains rank 0's error (a broken collective:
+            # the worker's sockets close a moment before it is seen to have exited)
+            failed = None
+            if self.tensor_parallel is not None:
+                broken = isinstance(e, RuntimeError) and not isinstance(e, WorkerError)
+                failed = self.tensor_parallel.failed_worker("while starting",
+                                                            grace_s=5.0 if broken else 0.0)
             self.shutdown()
-            if error is not None and not isinstance(e, WorkerError):
-                raise RuntimeError(f"a tensor-parallel rank failed while starting: {error}") from e
+            if failed is not None and not isinstance(e, WorkerError):
+                raise WorkerError(failed) from e
             raise
         self.max_model_len = self.model_runner.max_model_len
         config.max_model_len = self.max_model_len

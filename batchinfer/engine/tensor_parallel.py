@@ -22,6 +22,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -37,6 +38,10 @@ from batchinfer.model.parallel import TensorParallel
 
 STARTUP_TIMEOUT_S = 600.0       # for every worker to start and import torch
 JOIN_TIMEOUT_S = 30.0           # for a worker to exit after shutdown
+
+
+# rank 0's join of a start that failed, still waiting out its rendezvous in the background
+_stranded_join: threading.Thread | None = None
 
 
 class WorkerError(RuntimeError):
@@ -149,6 +154,10 @@ class TensorParallelGroup:
         if dist.is_initialized():
             raise RuntimeError("a tensor-parallel engine is already running in this process "
                                "(or torch.distributed is in use); call shutdown() on it first")
+        if _stranded_join is not None and _stranded_join.is_alive():
+            raise RuntimeError("an earlier tensor-parallel start in this process failed while "
+                               "its rank 0 was joining the group, and that join has not timed "
+                               "out yet; start the engine in a new process")
         device = args.device
         if device.type == "cuda" and (device.index or 0) + size > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size {size} from {device} needs devices up to "
@@ -180,10 +189,54 @@ class TensorParallelGroup:
             self._wait_for("joining")
             if device.type == "cuda":  # NCCL binds each rank to its current device
                 torch.cuda.set_device(rank_device(device, 0))
-            _join(0, size, init_file, device)
+            self._join_watching_workers(size, init_file, device)
         except BaseException:
             self.shutdown()
             raise
+
+    def _join_watching_workers(self, size: int, init_file: str, device: torch.device) -> None:
+        """Join the group as rank 0 while watching the workers. The join blocks until every
+        rank has joined, so a worker that dies inside its own join would otherwise leave
+        rank 0 waiting out the rendezvous timeout (30 minutes of a GPU node) before failing."""
+        global _stranded_join
+        failure: list[BaseException] = []
+
+        def join() -> None:
+            try:
+                if device.type == "cuda":  # the current device is per thread
+                    torch.cuda.set_device(rank_device(device, 0))
+                _join(0, size, init_file, device)
+            except BaseException as e:
+                failure.append(e)
+
+        thread = threading.Thread(target=join, name="batchinfer-tp-join", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.5)
+            failed = self.failed_worker("while the group formed")
+            if thread.is_alive() and failed:
+                _stranded_join = thread  # blocked in the rendezvous; it fails on its own
+                raise WorkerError(failed)
+        if failure:
+            # a join broken by a worker's death (a reset connection) is explained by it
+            if failed := self.failed_worker("while the group formed", grace_s=5.0):
+                raise WorkerError(failed) from failure[0]
+            raise failure[0]
+
+    def failed_worker(self, when: str, grace_s: float = 0.0) -> str | None:
+        """Once a worker is gone, what happened (its traceback, or its exit code), as an
+        error message; None while all run (after waiting up to grace_s for one to end). A
+        failing worker reports, then exits; the report queue is read only then, so no stage
+        report is consumed."""
+        deadline = time.monotonic() + grace_s
+        while not (dead := [p for p in self.workers if not p.is_alive()]):
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+        error = self.worker_error()
+        if error is not None:
+            return f"tensor-parallel worker failed {when}: {error}"
+        return f"tensor-parallel worker {dead[0].name} exited (exit code {dead[0].exitcode}) {when}"
 
     def _wait_for(self, stage: str) -> None:
         """Every worker reports `stage`, or the first failure is raised with its traceback."""
@@ -192,11 +245,9 @@ class TensorParallelGroup:
             try:
                 kind, rank, text = self._reports.get(timeout=0.5)
             except queue.Empty:
-                dead = [p for p in self.workers if not p.is_alive()]
-                if dead:
-                    error = self.worker_error() or f"exit code {dead[0].exitcode}"
-                    raise WorkerError(f"tensor-parallel worker {dead[0].name} failed while "
-                                       f"starting: {error}") from None
+                failed = self.failed_worker("while starting")
+                if failed:
+                    raise WorkerError(failed) from None
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"tensor-parallel workers did not reach '{stage}' within "
                                        f"{STARTUP_TIMEOUT_S:.0f} s") from None

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -87,6 +90,42 @@ def test_one_parallel_engine_per_process_and_a_dead_worker(llama_dir):
         assert len(llm.generate([[1, 2, 3]], GREEDY)[0].outputs[0].token_ids) == 12
     finally:
         llm.shutdown()
+
+
+_KILL_WHILE_JOINING = """
+import sys, time
+from batchinfer import LLM
+from batchinfer.engine import tensor_parallel
+
+wait_for = tensor_parallel.TensorParallelGroup._wait_for
+
+def kill_after_joining(self, stage):
+    wait_for(self, stage)
+    if stage == "joining":
+        for worker in self.workers:
+            worker.kill()
+
+tensor_parallel.TensorParallelGroup._wait_for = kill_after_joining
+start = time.monotonic()
+try:
+    LLM(sys.argv[1], device="cpu", num_kv_blocks=16, tensor_parallel_size=2)
+except tensor_parallel.WorkerError as e:
+    print(f"{time.monotonic() - start:.1f}", e)
+"""
+
+
+def test_a_worker_dying_while_the_group_forms_fails_the_start(llama_dir):
+    # A worker that dies inside its own join must not leave rank 0 waiting for the
+    # rendezvous timeout (30 minutes). Killed inside the join, or just after it (rank 0's
+    # first collective then breaks): either way a WorkerError within seconds. In a process
+    # of its own: a join that rank 0 gives up stays blocked until it times out.
+    done = subprocess.run([sys.executable, "-c", _KILL_WHILE_JOINING, str(llama_dir)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    seconds, message = done.stdout.strip().splitlines()[-1].split(" ", 1)
+    assert float(seconds) < 60
+    assert re.match(r"tensor-parallel worker batchinfer-tp1 exited \(exit code -9\) while",
+                    message), message
 
 
 def test_a_step_rank0_leaves_part_way_stops_the_engine(llama_dir, monkeypatch):
