@@ -50,10 +50,16 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
         with bar:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    done[out.request_id] = out
-                    bar.update(1)
+            try:
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        done[out.request_id] = out
+                        bar.update(1)
+            except BaseException:
+                # the exception is the caller's; this call's requests leave the engine with
+                # it, so the next call starts clean rather than meeting them again
+                engine.abort_request([i for i in ids if i not in done])
+                raise
         return [done[i] for i in ids]
 
     def stats(self) -> dict:

@@ -1,6 +1,8 @@
 """Sampling parameters with vLLM's names and meanings."""
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, replace
 
 
@@ -37,38 +39,61 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k is None or self.top_k < 0:
-            self.top_k = 0
         self._validate()
+        if self.top_k < 0:
+            self.top_k = 0
 
     def _validate(self) -> None:
+        """Every value checked for type, finiteness and range here, so a bad one is a
+        ValueError naming its field when the params are made, not a failure inside a
+        step of a batch. Integer fields take any integer type (numpy's too)."""
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
 
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", "must be an integer >= 1")
-        if self.temperature < 0:
-            raise bad("temperature", "must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise bad("top_p", "must be in (0, 1]")
-        if not 0 <= self.min_p <= 1:
-            raise bad("min_p", "must be in [0, 1]")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise bad("max_tokens", "must be >= 1")
-        if self.min_tokens < 0:
-            raise bad("min_tokens", "must be >= 0")
+        def integer(name: str, low: int | None = None, high: int | None = None,
+                    optional: bool = False) -> None:
+            value = getattr(self, name)
+            if value is None and optional:
+                return
+            ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+            if ok:
+                value = int(value)
+                setattr(self, name, value)
+                ok = (low is None or value >= low) and (high is None or value <= high)
+            if not ok:
+                bounds = (f"in [{low}, {high}]" if low is not None and high is not None
+                          else f">= {low}" if low is not None else "")
+                raise bad(name, f"must be an integer {bounds}".rstrip())
+
+        def real(name: str, ok, why: str) -> None:
+            value = getattr(self, name)
+            if not (isinstance(value, numbers.Real) and not isinstance(value, bool)
+                    and math.isfinite(value) and ok(value)):
+                raise bad(name, f"must be a number {why}")
+
+        integer("n", 1)
+        real("temperature", lambda v: v >= 0, ">= 0")
+        real("top_p", lambda v: 0 < v <= 1, "in (0, 1]")
+        if self.top_k is None:
+            self.top_k = 0
+        integer("top_k")  # <= 0 (or -1): no top-k filter
+        real("min_p", lambda v: 0 <= v <= 1, "in [0, 1]")
+        # seeds are int64, and the n samples of a prompt take seed, seed + 1, ...
+        integer("seed", -2 ** 63, 2 ** 63 - self.n, optional=True)
+        integer("max_tokens", 1, optional=True)
+        integer("min_tokens", 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "must be > 0")
-        if not -2 <= self.presence_penalty <= 2:
-            raise bad("presence_penalty", "must be in [-2, 2]")
-        if not -2 <= self.frequency_penalty <= 2:
-            raise bad("frequency_penalty", "must be in [-2, 2]")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise bad("logprobs", "must be >= 0")
+        real("repetition_penalty", lambda v: v > 0, "> 0")
+        real("presence_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]")
+        real("frequency_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]")
+        integer("logprobs", 0, optional=True)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"SamplingParams.stop must be non-empty strings, got {self.stop!r}")
+        if any(not isinstance(t, numbers.Integral) or isinstance(t, bool) or t < 0
+               for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be integers >= 0")
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
 
     @property
     def greedy(self) -> bool:

@@ -111,6 +111,7 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         try:
             token_ids = self._prompt_token_ids(prompt)
+            self._check_params(params)
         except ValueError as e:
             self._fail(request_id, text, [], params, str(e), arrival)
             return
@@ -131,6 +132,15 @@ class LLMEngine:
         for child in children:
             self.requests[child.request_id] = child
             self.scheduler.add_request(child)
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: the bounds this model's vocabulary sets."""
+        vocab = self.model_config.vocab_size
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"logprobs {params.logprobs} exceeds the vocabulary size ({vocab})")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), got "
+                             f"{params.stop_token_ids}")
 
     def _prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -2,6 +2,7 @@
 metrics and progress."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from batchinfer import LLM, SamplingParams
@@ -96,10 +97,53 @@ def test_progress_bar(llm, capsys):
 
 
 def test_sampling_params_validation():
+    nan = float("nan")
     for bad in (dict(temperature=-1), dict(top_p=0), dict(n=0), dict(max_tokens=0),
-                dict(min_tokens=5, max_tokens=2), dict(stop=[""])):
+                dict(min_tokens=5, max_tokens=2), dict(stop=[""]),
+                # wrong types and non-finite numbers, caught here rather than in a step
+                dict(temperature=nan), dict(repetition_penalty=nan), dict(top_p=float("inf")),
+                dict(top_k=2.5), dict(max_tokens=2.5), dict(n=True), dict(logprobs=2.5),
+                dict(seed=2 ** 63), dict(seed=2 ** 63 - 1, n=2), dict(stop_token_ids=["7"]),
+                dict(stop_token_ids=[-1])):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
+    # any integer type is taken, as a Python int
+    params = SamplingParams(n=np.int64(2), seed=np.int32(5), max_tokens=np.int64(3),
+                            stop_token_ids=[np.int64(2)], top_k=-1)
+    assert (params.n, params.seed, params.max_tokens, params.stop_token_ids, params.top_k) \
+        == (2, 5, 3, [2], 0)
+    assert all(type(v) is int for v in (params.n, params.seed, params.max_tokens))
+
+
+def test_params_beyond_the_vocabulary_fail_alone(llm):
+    vocab = llm.llm_engine.model_config.vocab_size
+    outs = llm.generate([[1, 2, 3]] * 3, [
+        GREEDY, SamplingParams(temperature=0, max_tokens=4, logprobs=vocab + 1),
+        SamplingParams(temperature=0, max_tokens=4, min_tokens=2, stop_token_ids=[vocab])])
+    assert outs[0].error is None and len(outs[0].outputs[0].token_ids) == 8
+    assert "logprobs" in outs[1].error and outs[1].outputs[0].finish_reason == "error"
+    assert "stop_token_ids" in outs[2].error
+
+
+def test_a_failed_step_leaves_the_llm_usable(llm, monkeypatch):
+    prompts = [[1, 2, 3], [1, 4, 5, 6], [1, 7]]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    runner = llm.llm_engine.model_runner
+    execute, calls = runner.execute, []
+
+    def fails_on_the_third_step(plan):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected")
+        return execute(plan)
+    monkeypatch.setattr(runner, "execute", fails_on_the_third_step)
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate(prompts, GREEDY)
+    monkeypatch.undo()
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    pool = llm.llm_engine.kv.pool
+    assert pool.num_free_blocks == pool.num_blocks
 
 
 def test_earliest_stop_string_wins():
