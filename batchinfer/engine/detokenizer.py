@@ -31,8 +31,21 @@ class IncrementalDetokenizer:
         full = self._decode(self.ids[self.prefix_offset:])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return None
-        new_text = full[len(prefix):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return self._append(full[len(prefix):], check_stop)
+
+    def flush(self, check_stop: bool = True) -> str | None:
+        """The request ends: append what is held back (an incomplete UTF-8 sequence, as the
+        tokenizer decodes it, so the text is the one a request without stop strings gets)
+        and look for a stop string in it once more; returns the stop string if one is found."""
+        if self.read_offset == len(self.ids):
+            return None
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return self._append(full[len(prefix):], check_stop)
+
+    def _append(self, new_text: str, check_stop: bool) -> str | None:
         search_from = max(len(self.text) - self.max_stop_len + 1, 0)
         self.text += new_text
         if not check_stop:

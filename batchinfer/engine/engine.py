@@ -234,20 +234,27 @@ class LLMEngine:
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         num_output = len(req.token_ids) - req.num_prompt_tokens
         past_min = num_output >= req.params.min_tokens
+        detokenizer = req.detokenizer
         if past_min and token in req.stop_token_ids:
             if token in req.params.stop_token_ids:
                 req.stop_reason = token
-            if req.detokenizer is not None and req.params.include_stop_str_in_output:
-                req.detokenizer.add(token, check_stop=False)
-            return RequestStatus.FINISHED_STOPPED
-        if req.detokenizer is not None:
-            stop = req.detokenizer.add(token, check_stop=past_min)
-            if stop is not None:
-                req.stop_reason = stop
-                return RequestStatus.FINISHED_STOPPED
-        if num_output >= req.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+            if detokenizer is not None and req.params.include_stop_str_in_output:
+                detokenizer.add(token, check_stop=False)
+            status = RequestStatus.FINISHED_STOPPED
+        else:
+            if detokenizer is not None:
+                stop = detokenizer.add(token, check_stop=past_min)
+                if stop is not None:
+                    req.stop_reason = stop
+                    return RequestStatus.FINISHED_STOPPED
+            if num_output < req.max_tokens:
+                return None
+            status = RequestStatus.FINISHED_LENGTH
+        # ending: the text held back for an incomplete character is the request's too
+        if detokenizer is not None and (stop := detokenizer.flush(past_min)) is not None:
+            req.stop_reason = stop
+            status = RequestStatus.FINISHED_STOPPED
+        return status
 
     def _record_logprobs(self, req: Request, token: int, entry) -> None:
         top_ids, values, rank = entry

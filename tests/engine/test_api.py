@@ -155,3 +155,32 @@ def test_earliest_stop_string_wins():
 
     detok = IncrementalDetokenizer(OneTokenTokenizer(), ["world", "lo"], True, False)
     assert detok.add(1) == "lo" and detok.text == "hel"
+
+
+def test_text_held_back_for_an_incomplete_character_ends_the_request(llm):
+    from batchinfer.engine.detokenizer import IncrementalDetokenizer
+    tok = llm.get_tokenizer()
+    ids = tok.encode("Grüße", add_special_tokens=False)
+    cut = next(k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd"))
+    detok = IncrementalDetokenizer(tok, ["never"], True, False)
+    for token in ids[:cut]:
+        assert detok.add(token) is None
+    assert not detok.text.endswith("\ufffd")  # held back while the character may complete
+    assert detok.flush() is None and detok.text == tok.decode(ids[:cut])
+
+    # in the engine: a request cut by max_tokens inside a character has the same text with
+    # stop strings (incremental detokenizing) as without (one decode at the end)
+    sampled = SamplingParams(max_tokens=30, temperature=1.5, seed=5)
+    prompts = [f"Grüße aus Köln — {i}" for i in range(16)]
+    checked = 0
+    for out in llm.generate(prompts, sampled):
+        ids = out.outputs[0].token_ids
+        cuts = [k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd")]
+        if cuts:
+            params = sampled.clone(max_tokens=cuts[0])
+            plain, stopped = llm.generate([out.prompt] * 2, [params, params.clone(stop=["\x00"])])
+            assert stopped.outputs[0].token_ids == plain.outputs[0].token_ids
+            assert stopped.outputs[0].text == plain.outputs[0].text
+            assert plain.outputs[0].text.endswith("\ufffd")
+            checked += 1
+    assert checked >= 2
