@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 
 from tqdm.auto import tqdm
 
@@ -24,7 +25,7 @@ class LLM:
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Outputs in the order of the prompts (strings or token-id lists)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and isinstance(prompts[0], int)):
+                                        and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         if isinstance(params, SamplingParams):

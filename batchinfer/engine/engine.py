@@ -2,6 +2,7 @@
 finished ones. It knows nothing of files; the job runner and LLM drive it."""
 from __future__ import annotations
 
+import numbers
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -149,9 +150,10 @@ class LLMEngine:
             token_ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
             vocab = self.model_config.vocab_size
-            if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+            if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                       and 0 <= t < vocab for t in prompt):
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-            token_ids = list(prompt)
+            token_ids = [int(t) for t in prompt]
         else:
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not token_ids:
@@ -311,15 +313,30 @@ class LLMEngine:
         """Token ids of a conversation through the tokenizer's chat template."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
-        for m in messages:
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str)
-                    and isinstance(m.get("content"), str)):
-                raise ValueError("each message must be a dict with string 'role' and 'content'")
+        messages = [_text_message(m) for m in messages]
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("the model's tokenizer has no chat template")
         text = self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _text_message(message) -> dict:
+    """A chat message with string content. OpenAI's list of content parts is taken when
+    every part is text ({"type": "text", "text": ...}); the texts are joined by newlines,
+    as vLLM does for templates that take a string."""
+    if not (isinstance(message, dict) and isinstance(message.get("role"), str)):
+        raise ValueError("each message must be a dict with string 'role' and 'content'")
+    content = message.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text"
+                   and isinstance(p.get("text"), str) for p in content):
+            raise ValueError("message content parts must be text parts "
+                             "({'type': 'text', 'text': ...}); other kinds are not supported")
+        return {**message, "content": "\n".join(p["text"] for p in content)}
+    if not isinstance(content, str):
+        raise ValueError("each message must be a dict with string 'role' and 'content'")
+    return message
 
 
 def _merge_metrics(parts: list[RequestMetrics]) -> RequestMetrics:

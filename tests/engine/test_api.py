@@ -46,6 +46,21 @@ def test_chat_uses_the_template(llm):
     assert chat_out.outputs[0].token_ids == llm.generate([ids], GREEDY)[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="role"):
         llm.chat([{"content": "no role"}], GREEDY)
+    # OpenAI's content parts: text parts joined by newlines; other kinds refused
+    parts = [{"role": "system", "content": [{"type": "text", "text": "Answer"},
+                                            {"type": "text", "text": "briefly."}]},
+             {"role": "user", "content": "What is a cat?"}]
+    joined = [{"role": "system", "content": "Answer\nbriefly."}, conversation[1]]
+    assert llm.chat(parts, GREEDY)[0].prompt_token_ids == llm.chat(joined, GREEDY)[0].prompt_token_ids
+    with pytest.raises(ValueError, match="text parts"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], GREEDY)
+
+
+def test_token_ids_of_any_integer_type(llm):
+    ids = [1, 5, 9]
+    as_numpy = llm.generate(list(np.array(ids)), GREEDY)  # one prompt of numpy ints
+    assert len(as_numpy) == 1 and as_numpy[0].error is None
+    assert as_numpy[0].outputs[0].token_ids == llm.generate(ids, GREEDY)[0].outputs[0].token_ids
 
 
 def test_bad_prompts_fail_alone(llm):
