@@ -77,7 +77,7 @@ _COUNTERS = ("prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "num_pree
 
 
 def run_workload(engine, requests: list[BenchRequest]) -> EngineRun:
-    """Run every request to completion; raise RuntimeError naming the first failed one."""
+    """Run every request to completion; raise ValueError naming the first failed one."""
     before = engine.stats()
     arrival = time.monotonic()
     t0 = time.perf_counter()
@@ -95,7 +95,7 @@ def run_workload(engine, requests: list[BenchRequest]) -> EngineRun:
         elapsed += dt
         for out in outs:
             if out.error:
-                raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+                raise ValueError(f"request {out.request_id} failed: {out.error}")
             finished[out.request_id] = out
         now = engine.stats().get("num_prompt_tokens_computed", 0)
         steps.append(StepSample(dt, now - computed, *kv_occupancy(engine)))

@@ -59,12 +59,16 @@ def build_requests(opts: dict, vocab_size: int, tokenize) -> tuple[str, list[Ben
                                  random_range_ratio=opts["random_range_ratio"], seed=opts["seed"])
 
 
-def _check_fits(requests: list[BenchRequest], max_model_len: int) -> None:
+def _check_fits(requests: list[BenchRequest], max_model_len: int, kv_tokens: int) -> None:
+    """kv_tokens: what the KV cache holds; the engine caps max_model_len at it."""
     longest = max(len(r.prompt_token_ids) + r.output_len for r in requests)
     if longest > max_model_len:
+        fix = ("give the KV cache more room (--num-kv-blocks, --kv-cache-memory, "
+               "--gpu-memory-utilization)" if max_model_len >= kv_tokens
+               else "raise --max-model-len")
         raise ValueError(f"the longest request needs {longest} tokens (prompt + output) but "
                          f"max_model_len is {max_model_len}; lower --input-len/--output-len "
-                         "or raise --max-model-len")
+                         f"or {fix}")
 
 
 def _run_ours(source: ModelSource, opts: dict, enable_prefix_caching: bool,
@@ -80,7 +84,8 @@ def _run_ours(source: ModelSource, opts: dict, enable_prefix_caching: bool,
             # text prompts are tokenised as the engine tokenises a text prompt
             workload_name, requests = build_requests(opts, engine.model_config.vocab_size,
                                                      engine.tokenizer.encode)
-        _check_fits(requests, engine.config.max_model_len)
+        runner = engine.model_runner
+        _check_fits(requests, engine.config.max_model_len, runner.num_blocks * runner.block_size)
         model = engine.model_runner.model
         param = next(model.parameters())
         shape = ModelShape.from_config(engine.model_config)

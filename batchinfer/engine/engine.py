@@ -44,6 +44,7 @@ class LLMEngine:
                                                        trust_remote_code=config.trust_remote_code)
         self.eos_token_ids = _eos_token_ids(path, self.model_config, self.tokenizer)
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        _check_device(self.device)
         self.dtype = _resolve_dtype(config.dtype, self.model_config, self.device)
         max_len = self.model_config.max_position_embeddings
         if config.max_model_len is not None:
@@ -319,6 +320,18 @@ class LLMEngine:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _check_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            why = ("this torch is built without CUDA" if torch.version.cuda is None
+                   else "no CUDA device is visible")
+            raise ValueError(f"device {str(device)!r}: {why}; use device 'cpu' or run where "
+                             "a GPU is")
+        if (device.index or 0) >= count:
+            raise ValueError(f"device {str(device)!r}: only {count} CUDA device(s) are visible")
 
 
 def _text_message(message) -> dict:

@@ -124,6 +124,16 @@ def test_file_dataset(cache_dir, tmp_path):
     assert summary["prompt_tokens"] > 4
 
 
+def test_a_failed_request_is_a_usage_error(cache_dir, tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt_token_ids": [11, 10 ** 9], "output_len": 2}) + "\n")
+    result = CliRunner().invoke(bench, ["--model", "tiny", "--cache-dir", str(cache_dir),
+                                        "--num-kv-blocks", "96", "--device", "cpu",
+                                        "--dataset-name", "file", "--dataset-path", str(path)])
+    assert result.exit_code == 2, result.output
+    assert "request bench-0 failed: prompt token ids must be integers" in result.output
+
+
 @pytest.mark.parametrize("args, message", [
     (["--dataset-name", "file"], "--dataset-name file needs --dataset-path"),
     (["--model", "no-such-shape"], "neither a directory nor a named shape"),
@@ -134,6 +144,10 @@ def test_file_dataset(cache_dir, tmp_path):
     (["--tensor-parallel-size", "3"], "tensor_parallel_size 3 does not divide"),
     (["--model-stub", "--tensor-parallel-size", "2"], "drop --tensor-parallel-size"),
     (["--gpu-memory-utilization", "1.5"], "0<x<=1"),
+    (["--device", "cuda:99"], "device 'cuda:99'"),
+    # a pool of 96 blocks caps max_model_len at 1536 tokens: the fix is a bigger pool
+    (["--input-len", "1600", "--max-model-len", "2048"], "give the KV cache more room"),
+    (["--input-len", "1600", "--max-model-len", "1024"], "raise --max-model-len"),
 ])
 def test_bad_flags_are_usage_errors(cache_dir, args, message):
     result = CliRunner().invoke(bench, ["--model", "tiny", "--cache-dir", str(cache_dir),
