@@ -50,6 +50,8 @@ class EngineConfig:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.device is not None:
+            check_device(self.device)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; "
                              f"got {self.attention_backend!r}")
@@ -57,3 +59,23 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    """device as a torch.device: 'cpu', 'cuda' or 'cuda:N', and there when it is a GPU."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {str(device)!r}")
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            why = ("this torch is built without CUDA" if torch.version.cuda is None
+                   else "no CUDA device is visible")
+            raise ValueError(f"device {str(device)!r}: {why}; use device 'cpu' or run where "
+                             "a GPU is")
+        if (parsed.index or 0) >= count:
+            raise ValueError(f"device {str(device)!r}: only {count} CUDA device(s) are visible")
+    return parsed

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from batchinfer.config import DTYPES, EngineConfig
+from batchinfer.config import DTYPES, EngineConfig, check_device
 from batchinfer.engine.detokenizer import IncrementalDetokenizer
 from batchinfer.engine.kv_cache_manager import KVCacheManager
 from batchinfer.engine.model_runner import ModelRunner
@@ -17,7 +17,7 @@ from batchinfer.engine.request import Request, RequestStatus
 from batchinfer.engine.scheduler import Scheduler
 from batchinfer.engine.tensor_parallel import (RunnerArgs, TensorParallelGroup, WorkerError,
                                                 check_divisible)
-from batchinfer.model.loader import architecture, resolve_model_path
+from batchinfer.model.loader import architecture, resolve_model_path, resolve_tokenizer_path
 from batchinfer.model.parallel import TensorParallel
 from batchinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from batchinfer.sampling_params import SamplingParams
@@ -40,11 +40,12 @@ class LLMEngine:
         path = resolve_model_path(config.model)
         self.model_config = AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)
         architecture(self.model_config)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or path,
+        tokenizer_path = resolve_tokenizer_path(config.tokenizer) if config.tokenizer else path
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path,
                                                        trust_remote_code=config.trust_remote_code)
         self.eos_token_ids = _eos_token_ids(path, self.model_config, self.tokenizer)
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        _check_device(self.device)
+        check_device(self.device)
         self.dtype = _resolve_dtype(config.dtype, self.model_config, self.device)
         max_len = self.model_config.max_position_embeddings
         if config.max_model_len is not None:
@@ -114,7 +115,7 @@ class LLMEngine:
         try:
             token_ids = self._prompt_token_ids(prompt)
             self._check_params(params)
-        except ValueError as e:
+        except (ValueError, TypeError) as e:  # TypeError: text the tokenizer cannot take
             self._fail(request_id, text, [], params, str(e), arrival)
             return
         children = []
@@ -148,6 +149,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
+            _check_unicode(prompt, "prompt")
             token_ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
             vocab = self.model_config.vocab_size
@@ -322,18 +324,6 @@ class LLMEngine:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
 
-def _check_device(device: torch.device) -> None:
-    if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            why = ("this torch is built without CUDA" if torch.version.cuda is None
-                   else "no CUDA device is visible")
-            raise ValueError(f"device {str(device)!r}: {why}; use device 'cpu' or run where "
-                             "a GPU is")
-        if (device.index or 0) >= count:
-            raise ValueError(f"device {str(device)!r}: only {count} CUDA device(s) are visible")
-
-
 def _text_message(message) -> dict:
     """A chat message with string content. OpenAI's list of content parts is taken when
     every part is text ({"type": "text", "text": ...}); the texts are joined by newlines,
@@ -349,7 +339,18 @@ def _text_message(message) -> dict:
         return {**message, "content": "\n".join(p["text"] for p in content)}
     if not isinstance(content, str):
         raise ValueError("each message must be a dict with string 'role' and 'content'")
+    _check_unicode(content, "message content")
     return message
+
+
+def _check_unicode(text: str, what: str) -> None:
+    """Text a tokenizer can take: encodable as UTF-8 (a lone surrogate such as the JSON
+    escape \\ud800 is not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode ({e.reason}: {text[e.start:e.end]!r} "
+                         f"at character {e.start})") from None
 
 
 def _merge_metrics(parts: list[RequestMetrics]) -> RequestMetrics:

@@ -10,6 +10,7 @@ second, and prometheus_client's per-call locking would cost more than the job it
 from __future__ import annotations
 
 import bisect
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +24,8 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
 
 P = "batchinfer:"
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -88,6 +91,7 @@ class JobMetrics(Collector):
         self.interval = interval
         self._server = None
         self._last_write = 0.0
+        self._write_failed = False
         self._engine_seen: dict[str, float] = {}
 
     def collect(self) -> Iterator[Metric]:
@@ -145,8 +149,14 @@ class JobMetrics(Collector):
             return
         now = time.monotonic()
         if force or now - self._last_write >= self.interval:
-            write_to_textfile(self.textfile, self.registry)  # temporary file + rename
             self._last_write = now
+            try:
+                write_to_textfile(self.textfile, self.registry)  # temporary file + rename
+            except OSError as e:  # a full disk or a vanished directory must not stop the job
+                if not self._write_failed:
+                    log.warning("cannot write --metrics-textfile %s (%s); the job goes on",
+                                self.textfile, e)
+                self._write_failed = True
 
     def close(self) -> None:
         self.tick(force=True)

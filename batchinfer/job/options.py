@@ -161,6 +161,12 @@ class JobOptions:
                            "this run takes)")
         if self.prompt_column and self.messages_column:
             raise JobError("give only one of --prompt-column and --messages-column")
+        _check_can_hold(self.output, "--output")
+        if self.metrics_textfile is not None:
+            textfile = Path(self.metrics_textfile).expanduser()
+            if textfile.is_dir() or not textfile.parent.is_dir():
+                raise JobError(f"--metrics-textfile {self.metrics_textfile}: needs a file path "
+                               "in an existing directory")
         self.sampling_params()
         self.engine_config()
         self.system_prompt_text()
@@ -222,3 +228,13 @@ class JobOptions:
         """Where this process writes: OUTDIR, or its shard's directory inside it."""
         shard = self.shard()
         return str(shard.directory(self.output)) if shard is not None else self.output
+
+
+def _check_can_hold(path: str, name: str) -> None:
+    """path can be (or is) a directory: no part of it is an existing file."""
+    at = Path(path).expanduser()
+    for part in (at, *at.parents):
+        if part.exists():
+            if not part.is_dir():
+                raise JobError(f"{name} {path}: {part} is a file, not a directory")
+            return

@@ -42,13 +42,18 @@ def load_engine(model: str, kwargs: dict[str, Any]) -> Any:
     return LLMEngine.from_kwargs(model, **kwargs)
 
 
-def check_model(model: str) -> None:
-    """Fail fast (before any input is read) when the model cannot be found."""
-    from batchinfer.model.loader import resolve_model_path
+def check_model(model: str, tokenizer: str | None) -> None:
+    """Fail fast (before any input is read) when the model or tokenizer cannot be found."""
+    from batchinfer.model.loader import resolve_model_path, resolve_tokenizer_path
     try:
         resolve_model_path(model)
     except FileNotFoundError as e:
         raise JobError(f"--model: {e}") from None
+    try:
+        if tokenizer is not None:
+            resolve_tokenizer_path(tokenizer)
+    except FileNotFoundError as e:
+        raise JobError(f"--tokenizer: {e}") from None
 
 
 @dataclass
@@ -126,7 +131,7 @@ def run_job(options: JobOptions, engine_factory: EngineFactory | None = None,
     out, err = out or sys.stdout, err or sys.stderr
     options.validate()
     if engine_factory is None:
-        check_model(options.model)
+        check_model(options.model, options.tokenizer)
         engine_factory = load_engine
     source = open_input(options.input, options.split)
     check_layout(options.output, options.shard(),

@@ -19,23 +19,40 @@ def resolve_model_path(model: str) -> Path:
     if model == "demo":
         from batchinfer.demo import demo_model_path
         return demo_model_path()
-    path = Path(model).expanduser()
+    return _resolve(model, "model", ("config.json",))
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def resolve_tokenizer_path(tokenizer: str) -> Path:
+    """A tokenizer given apart from the model: a local directory or a hub id from the cache."""
+    return _resolve(tokenizer, "tokenizer", TOKENIZER_FILES)
+
+
+def _resolve(name: str, what: str, markers: tuple[str, ...]) -> Path:
+    """The directory `name` names: itself, or the newest snapshot of a hub id in the local
+    cache; it must hold one of the marker files."""
+    def marked(path: Path) -> bool:
+        return any((path / m).is_file() for m in markers)
+
+    path = Path(name).expanduser()
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model directory {path} has no config.json")
+        if not marked(path):
+            raise FileNotFoundError(f"{what} directory {path} has no {' or '.join(markers)}")
         return path
     looked = [str(path.resolve())]
-    if "/" in model and not model.startswith((".", "/", "~")):
+    if "/" in name and not name.startswith((".", "/", "~")):
         cache = _hf_hub_cache()
-        snapshots = cache / ("models--" + model.replace("/", "--")) / "snapshots"
+        snapshots = cache / ("models--" + name.replace("/", "--")) / "snapshots"
         looked.append(str(snapshots))
         if snapshots.is_dir():
-            found = sorted((p for p in snapshots.iterdir() if (p / "config.json").is_file()),
+            found = sorted((p for p in snapshots.iterdir() if marked(p)),
                            key=lambda p: p.stat().st_mtime, reverse=True)
             if found:
                 return found[0]
-    raise FileNotFoundError(f"model {model!r} not found (looked in: {', '.join(looked)}); "
-                            "pass a local model directory or a hub id already in the local "
+    raise FileNotFoundError(f"{what} {name!r} not found (looked in: {', '.join(looked)}); "
+                            f"pass a local {what} directory or a hub id already in the local "
                             "Hugging Face cache — batchinfer never downloads")
 
 

@@ -65,12 +65,16 @@ def test_token_ids_of_any_integer_type(llm):
 
 def test_bad_prompts_fail_alone(llm):
     too_long = [1] + [7] * 600
-    outs = llm.generate([[1, 2, 3], too_long, "", [1, 10 ** 9], [1, 4, 5]], GREEDY)
+    outs = llm.generate([[1, 2, 3], too_long, "", [1, 10 ** 9], [1, 4, 5], "bad \ud800 x"],
+                        GREEDY)
     good = [outs[0], outs[4]]
     assert all(o.error is None and o.outputs[0].finish_reason == "length" for o in good)
     assert "max_model_len" in outs[1].error and outs[1].outputs[0].finish_reason == "error"
     assert "empty" in outs[2].error
     assert "token ids" in outs[3].error
+    assert "not valid Unicode" in outs[5].error  # a lone surrogate, as JSON's \ud800 gives
+    with pytest.raises(ValueError, match="not valid Unicode"):
+        llm.chat([{"role": "user", "content": "bad \udc80"}], GREEDY)
     pool = llm.llm_engine.kv.pool
     assert pool.num_free_blocks == pool.num_blocks
 

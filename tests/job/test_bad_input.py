@@ -28,6 +28,7 @@ def test_corrupted_jsonl_keeps_good_rows_and_flags_bad_ones(tmp_path, run_cli, r
         b'[1, 2, 3]',                                                  # not an object
         json.dumps({"prompt": None, "n": 11}).encode(),                # null
         json.dumps({"prompt": GOOD[2], "n": 12}).encode(),
+        b'{"prompt": "bad \\ud800 x", "n": 13}',                    # a lone surrogate
     ]
     (tmp_path / "bad.jsonl").write_bytes(b"\n".join(lines) + b"\n\n")
     result = run_cli(tmp_path / "bad.jsonl", "-o", tmp_path / "out", "--max-tokens", "4",
@@ -44,7 +45,7 @@ def test_corrupted_jsonl_keeps_good_rows_and_flags_bad_ones(tmp_path, run_cli, r
 
     reasons = {1: "invalid JSON", 2: "must be text", 3: "must be text", 5: "empty",
                6: "empty", 7: "missing", 8: "max_model_len", 9: "invalid UTF-8",
-               10: "expected a JSON object", 11: "missing"}
+               10: "expected a JSON object", 11: "missing", 13: "not valid Unicode"}
     for index, reason in reasons.items():
         row = rows[index]
         assert row["finish_reason"] == "error", index
@@ -86,6 +87,10 @@ def assert_fatal(result, *words: str) -> None:
     (["--prompt-column", "text", "--messages-column", "m"], ["--prompt-column"]),
     (["--output-format", "openai"], ["--output-format openai"]),
     (["--system-prompt", "@/nonexistent/system.txt"], ["--system-prompt"]),
+    (["--device", "tpu"], ["--device", "'cpu', 'cuda' or 'cuda:N'"]),
+    (["--device", "cuda:99"], ["--device 'cuda:99'"]),
+    (["--tokenizer", "/nonexistent/tokenizer"], ["--tokenizer", "not found"]),
+    (["--metrics-textfile", "/nonexistent/dir/m.prom"], ["--metrics-textfile"]),
 ])
 def test_bad_flag_values(tmp_path, run_cli, no_model_load, flags, words):
     (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
@@ -109,6 +114,8 @@ def test_fatal_input_and_model_mistakes(tmp_path, run_cli, no_model_load):
     assert_fatal(run_cli(tmp_path / "num.jsonl", "-o", tmp_path / "o"), "'prompt'", "--prompt-column")
     (tmp_path / "clash.jsonl").write_text('{"prompt": "hi", "completion": "x"}\n')
     assert_fatal(run_cli(tmp_path / "clash.jsonl", "-o", tmp_path / "o"), "completion")
+    assert_fatal(run_cli(tmp_path / "in.jsonl", "-o", tmp_path / "in.jsonl" / "sub"),
+                 "in.jsonl is a file, not a directory")
     assert not (tmp_path / "o").exists()
 
 

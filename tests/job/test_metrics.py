@@ -4,6 +4,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import shutil
 import threading
 import time
 import urllib.request
@@ -113,3 +114,17 @@ def test_a_busy_metrics_port_is_a_fatal_mistake(tmp_path, run_cli, monkeypatch):
         result = run_cli(tmp_path / "in.jsonl", "-o", tmp_path / "out", "--metrics-port", port)
     assert result.exit_code == 2
     assert result.stderr.startswith(f"Error: --metrics-port {port}: cannot listen")
+
+
+def test_a_textfile_that_cannot_be_written_does_not_stop_the_job(tmp_path, caplog):
+    from batchinfer.job.metrics import JobMetrics
+    directory = tmp_path / "textfiles"
+    directory.mkdir()
+    metrics = JobMetrics(str(directory / "job.prom"), interval=0.0)
+    metrics.tick(force=True)
+    assert (directory / "job.prom").is_file()
+    shutil.rmtree(directory)  # the directory goes away under a running job
+    metrics.tick(force=True)
+    metrics.tick(force=True)
+    warnings = [r for r in caplog.records if "--metrics-textfile" in r.getMessage()]
+    assert len(warnings) == 1  # said once, then the job goes on
