@@ -332,7 +332,11 @@ def _is_json_array(path: Path) -> bool:
     if path.suffix.lower() != ".json":
         return False
     with open(path, "rb") as f:
+        first = True
         while chunk := f.read(4096):
+            if first and chunk.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark
+                chunk = chunk[3:]
+            first = False
             stripped = chunk.lstrip()
             if stripped:
                 return stripped.startswith(b"[")
@@ -347,7 +351,8 @@ def _json_array_rows(path: Path) -> Iterator[tuple[tuple[str, int], Any]]:
     decoder = json.JSONDecoder()
     ws = re.compile(r"[ \t\n\r]*")
     prefix = f"{path.name}: element "
-    with open(path, encoding="utf-8", errors="surrogateescape") as f:
+    # utf-8-sig: a byte order mark (as editors and Excel write) is skipped
+    with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:
         buf, pos, offset, eof, element = "", 0, 0, False, 0
 
         def fill() -> bool:
@@ -436,7 +441,8 @@ def _quote(text: str) -> str:
 
 # ---- CSV -----------------------------------------------------------------------------
 def _csv_rows(path: Path) -> Iterator[tuple[tuple[str, int], Any]]:
-    with open(path, encoding="utf-8", errors="surrogateescape", newline="") as f:
+    # utf-8-sig: a byte order mark (Excel's "CSV UTF-8") is skipped
+    with open(path, encoding="utf-8-sig", errors="surrogateescape", newline="") as f:
         reader = csv.reader(f)
         prefix = f"{path.name}:"
         header = next(reader, None)

@@ -78,6 +78,18 @@ def test_csv_bad_rows_and_types(tmp_path):
     assert rows[4].values["prompt"] == "multi\nline"
 
 
+@pytest.mark.parametrize("name, body", [
+    ("in.csv", b"prompt,id\r\nhello,1\r\nworld,2\r\n"),       # Excel's "CSV UTF-8"
+    ("in.json", b'[\n {"prompt": "hello", "id": 1},\n {"prompt": "world", "id": 2}\n]\n'),
+    ("in.jsonl", b'{"prompt": "hello", "id": 1}\n{"prompt": "world", "id": 2}\n'),
+])
+def test_a_utf8_byte_order_mark_is_skipped(tmp_path, name, body):
+    (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + body)
+    _, schema, _, rows = read_all(tmp_path / name)
+    assert schema.names[:2] == ["prompt", "id"]
+    assert [(r.values["prompt"], r.error) for r in rows] == [("hello", None), ("world", None)]
+
+
 def test_open_input_mistakes(tmp_path):
     with pytest.raises(JobError, match="no such file"):
         open_input(str(tmp_path / "nope.jsonl"))
