@@ -51,7 +51,14 @@ class Inspection:
 
     def schema(self, restrict: dict[str, str]) -> tuple[pa.Schema, set[str]]:
         if self.arrow_schema is not None:
-            return self.arrow_schema, set()
+            # a dictionary-encoded prompt column (a pandas Categorical) is read decoded
+            schema = self.arrow_schema
+            for name in restrict:
+                i = schema.get_field_index(name)
+                field_ = schema.field(i) if i >= 0 else None
+                if field_ is not None and pa.types.is_dictionary(field_.type):
+                    schema = schema.set(i, field_.with_type(field_.type.value_type))
+            return schema, set()
         return self.types.schema(restrict)
 
 

@@ -90,6 +90,16 @@ def test_a_utf8_byte_order_mark_is_skipped(tmp_path, name, body):
     assert [(r.values["prompt"], r.error) for r in rows] == [("hello", None), ("world", None)]
 
 
+def test_a_dictionary_encoded_prompt_column_is_read_decoded(tmp_path):
+    prompts = pa.array(["hello", "world", "hello"]).dictionary_encode()  # a Categorical
+    labels = pa.array(["a", "b", "a"]).dictionary_encode()
+    pq.write_table(pa.table({"prompt": prompts, "label": labels}), tmp_path / "in.parquet")
+    _, schema, _, rows = read_all(tmp_path / "in.parquet")
+    assert schema.field("prompt").type == pa.string()
+    assert pa.types.is_dictionary(schema.field("label").type)  # passed through as stored
+    assert [r.values["prompt"] for r in rows] == ["hello", "world", "hello"]
+
+
 def test_open_input_mistakes(tmp_path):
     with pytest.raises(JobError, match="no such file"):
         open_input(str(tmp_path / "nope.jsonl"))
