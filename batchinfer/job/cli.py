@@ -155,6 +155,10 @@ def run(ctx: click.Context, input: str | None, config: str | None, **flags: Any)
         result = run_job(JobOptions.from_dict(values))
     except JobError as e:
         raise FatalError(str(e)) from None
+    except KeyboardInterrupt:  # Ctrl-C while starting, before the job's own handling
+        click.echo("Interrupted while starting; run the same command to start again.",
+                   err=True)
+        ctx.exit(130)
     ctx.exit(result.exit_code)
 
 

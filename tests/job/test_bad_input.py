@@ -137,3 +137,15 @@ def test_outdir_of_another_job_is_refused(tmp_path, run_cli):
     (other / "notes.txt").write_text("mine")
     assert_fatal(run_cli(tmp_path / "in.jsonl", "-o", other), "not empty")
     assert (other / "notes.txt").read_text() == "mine"
+
+
+def test_ctrl_c_while_starting_exits_130(tmp_path, run_cli, monkeypatch):
+    # before the job installs its own signal handling (reading the input, loading the
+    # model), Ctrl-C is a KeyboardInterrupt: the exit code is still the shell's 130
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr("batchinfer.job.runner.run_job", interrupted)
+    (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
+    result = run_cli(tmp_path / "in.jsonl", "-o", tmp_path / "out")
+    assert result.exit_code == 130, result.output
+    assert "Interrupted while starting" in result.stderr
