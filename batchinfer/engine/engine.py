@@ -264,8 +264,10 @@ class LLMEngine:
     def _record_logprobs(self, req: Request, token: int, entry) -> None:
         top_ids, values, rank = entry
         k = req.params.logprobs
-        record = {tid: Logprob(v, r + 1) for r, (tid, v) in enumerate(zip(top_ids[:k], values[:k]))}
-        record[token] = Logprob(values[-1], rank)
+        # the sampled token first, then the top k by rank (it is one of them or not), as vLLM
+        record = {token: Logprob(values[-1], rank)}
+        for r, (tid, v) in enumerate(zip(top_ids[:k], values[:k])):
+            record.setdefault(tid, Logprob(v, r + 1))
         for tid, lp in record.items():
             lp.decoded_token = self.tokenizer.decode([tid])
         req.logprobs.append(record)

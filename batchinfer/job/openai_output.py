@@ -19,8 +19,8 @@ import pyarrow.parquet as pq
 from batchinfer.job.manifest import fsync_dir
 from batchinfer.job.prompts import COMPLETIONS_URL
 
-_COLUMNS = ("id", "sample_index", "url", "completion", "finish_reason", "prompt_tokens",
-            "output_tokens", "error")
+_COLUMNS = ("id", "sample_index", "url", "body", "completion", "finish_reason",
+            "prompt_tokens", "output_tokens", "error", "logprobs")
 
 
 def _rows(paths: list[Path]) -> Iterator[list[dict[str, Any]]]:
@@ -43,7 +43,47 @@ def _hex(text: str, n: int) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:n]
 
 
-def response_line(group: list[dict[str, Any]], model: str, created: int) -> dict[str, Any]:
+def _top_k(body: Any, is_chat: bool, default: int | None) -> int:
+    """How many top logprobs the line asked for: chat `top_logprobs` (with `logprobs`:
+    true), completions `logprobs` (a number); else --logprobs."""
+    if isinstance(body, str):
+        try:
+            body = json.loads(body)
+        except json.JSONDecodeError:
+            body = None
+    if isinstance(body, dict):
+        asked = body.get("logprobs")
+        if is_chat and asked is True:
+            return int(body.get("top_logprobs") or 0)
+        if not is_chat and isinstance(asked, int) and not isinstance(asked, bool):
+            return asked
+    return default or 0
+
+
+def _logprobs_object(steps: list[list[dict[str, Any]]], k: int, is_chat: bool) -> dict:
+    """OpenAI's logprobs object from the logprobs column (per token: the sampled token's
+    entry first, then the top entries by rank)."""
+    def top(step):
+        return sorted((e for e in step if e["rank"] <= k), key=lambda e: e["rank"])
+
+    if is_chat:
+        def entry(e):
+            return {"token": e["token"], "logprob": e["logprob"],
+                    "bytes": list(e["token"].encode("utf-8"))}
+        return {"content": [{**entry(step[0]), "top_logprobs": [entry(e) for e in top(step)]}
+                            for step in steps]}
+    offsets, at = [], 0
+    for step in steps:
+        offsets.append(at)
+        at += len(step[0]["token"])
+    return {"tokens": [step[0]["token"] for step in steps],
+            "token_logprobs": [step[0]["logprob"] for step in steps],
+            "top_logprobs": [{e["token"]: e["logprob"] for e in top(step)} for step in steps],
+            "text_offset": offsets}
+
+
+def response_line(group: list[dict[str, Any]], model: str, created: int,
+                  default_logprobs: int | None = None) -> dict[str, Any]:
     first = group[0]
     custom_id = first["id"]
     request_id = _hex(f"{custom_id}", 32)
@@ -62,7 +102,12 @@ def response_line(group: list[dict[str, Any]], model: str, created: int) -> dict
             choice["message"] = {"role": "assistant", "content": row["completion"]}
         else:
             choice["text"] = row["completion"]
-        choice.update(logprobs=None, finish_reason=row["finish_reason"])
+        steps = row.get("logprobs")
+        logprobs = None
+        if steps:
+            k = _top_k(first.get("body"), is_chat, default_logprobs)
+            logprobs = _logprobs_object(steps, k, is_chat)
+        choice.update(logprobs=logprobs, finish_reason=row["finish_reason"])
         choices.append(choice)
     prompt_tokens = first["prompt_tokens"] or 0
     completion_tokens = sum(r["output_tokens"] or 0 for r in group)
@@ -75,14 +120,17 @@ def response_line(group: list[dict[str, Any]], model: str, created: int) -> dict
     return line
 
 
-def write_openai_output(paths: list[Path], dest: Path, model: str) -> int:
-    """Write the output JSONL atomically; returns the number of lines."""
+def write_openai_output(paths: list[Path], dest: Path, model: str,
+                        default_logprobs: int | None = None) -> int:
+    """Write the output JSONL atomically; returns the number of lines. default_logprobs:
+    --logprobs, for lines that do not ask themselves."""
     created = int(time.time())
     tmp = dest.with_name(f".{dest.name}.tmp")
     count = 0
     with open(tmp, "w", encoding="utf-8") as f:
         for group in _rows(paths):
-            f.write(json.dumps(response_line(group, model, created), ensure_ascii=False) + "\n")
+            line = response_line(group, model, created, default_logprobs)
+            f.write(json.dumps(line, ensure_ascii=False) + "\n")
             count += 1
         f.flush()
         os.fsync(f.fileno())

@@ -114,8 +114,9 @@ def _plan(options: JobOptions, source: Source, outdir: OutputDir) -> _Plan:
             check_kinds(spec, set(inspection.types.kinds[spec.column]))
         input_schema, json_columns = inspection.schema(spec.restrict())
         check_types(spec, input_schema)
+        # OpenAI Batch lines may each ask for logprobs: their columns are always there
         schema = output_schema(input_schema, spec, options.save_token_ids,
-                               options.logprobs is not None)
+                               options.logprobs is not None or spec.mode == "openai")
         manifest = Manifest(fingerprint(job), job, spec.as_dict(), schema_to_json(input_schema),
                             sorted(json_columns), schema_to_json(schema), inspection.num_rows)
         plan = _Plan(spec, input_schema, json_columns, manifest, fresh=True)
@@ -213,6 +214,7 @@ class _Loop:
                  done: RangeSet, engine: Any, metrics: JobMetrics, progress: Progress):
         self.options = options
         self.writer = writer
+        self.logprobs = "logprobs" in writer.schema.names
         self.engine = engine
         self.metrics = metrics
         self.progress = progress
@@ -273,7 +275,7 @@ class _Loop:
         for output in self.engine.step():
             item = self.inflight.pop(output.request_id)
             self.record(item, sample_rows(item, output, self.options.save_token_ids,
-                                          self.options.logprobs is not None))
+                                          self.logprobs))
         self.metrics.observe_engine(self.engine.stats())
 
     def record(self, item: WorkItem, rows: list[dict[str, Any]]) -> None:
@@ -301,7 +303,7 @@ def _finish(options: JobOptions, outdir: OutputDir, manifest: Manifest, complete
     summary["runs"] = len(manifest.runs)
     write_summary(outdir.summary_path, summary)
     if complete and options.output_format == "openai":
-        write_openai_output(paths, outdir.openai_path, options.model)
+        write_openai_output(paths, outdir.openai_path, options.model, options.logprobs)
     if stop.requested:
         name = signal.Signals(stop.signum).name
         print(f"batchinfer: stopped by {name}; {summary['rows']} rows committed in "

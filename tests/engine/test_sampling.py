@@ -303,6 +303,7 @@ def test_sampled_logprobs_include_the_sampled_token_with_its_rank(llm: LLM, hf_m
         row = ref[len(prompt) - 1 + step]
         top2 = row.topk(2).indices.tolist()
         assert set(entry) == set(top2) | {token}
+        assert next(iter(entry)) == token  # the sampled token first, as vLLM orders them
         assert entry[token].logprob == pytest.approx(row[token].item(), abs=1e-4)
         assert entry[token].rank == int((row > row[token]).sum()) + 1
         ranks.append(entry[token].rank)

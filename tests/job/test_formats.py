@@ -195,6 +195,48 @@ def test_openai_batch_input_and_output(tmp_path, run_cli, reference_llm):
     assert body["usage"]["completion_tokens"] == len(chat.token_ids)
     assert responses["cmpl-1"]["body"]["choices"][0]["text"] == cmpl.outputs[0].text
     assert responses["bad-1"]["status_code"] == 400
+    assert body["choices"][0]["logprobs"] is None  # not asked for
+
+
+def test_openai_batch_lines_ask_for_logprobs_themselves(tmp_path, run_cli, reference_llm):
+    messages = [{"role": "user", "content": "Hello"}]
+    lines = [
+        {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": messages, "max_tokens": 3, "temperature": 0,
+                  "logprobs": True, "top_logprobs": 2}},
+        {"custom_id": "cmpl", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0,
+                  "logprobs": 1}},
+        {"custom_id": "plain", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "Once upon a time", "max_tokens": 2, "temperature": 0}},
+    ]
+    (tmp_path / "batch.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    check_ok(run_cli(tmp_path / "batch.jsonl", "-o", tmp_path / "out", "--output-format",
+                     "openai"))  # no --logprobs flag: the lines ask
+    by_id = {r["id"]: r for r in read_output(tmp_path / "out").to_pylist()}
+    assert by_id["plain"]["logprobs"] is None
+    ref = reference_llm.chat([messages], SamplingParams(max_tokens=3, temperature=0,
+                                                         logprobs=2))[0].outputs[0]
+    assert [[e["token_id"] for e in step] for step in by_id["chat"]["logprobs"]] \
+        == [list(step) for step in ref.logprobs]
+
+    out_lines = [json.loads(s) for s in
+                 (tmp_path / "out" / "__batchinfer__" / "openai_output.jsonl").read_text().splitlines()]
+    choices = {o["custom_id"]: o["response"]["body"]["choices"][0] for o in out_lines}
+    content = choices["chat"]["logprobs"]["content"]
+    assert len(content) == len(ref.token_ids)
+    for item, token, step in zip(content, ref.token_ids, ref.logprobs):
+        assert item["token"] == step[token].decoded_token
+        assert item["logprob"] == pytest.approx(step[token].logprob, abs=1e-5)
+        assert item["bytes"] == list(item["token"].encode())
+        assert len(item["top_logprobs"]) == 2
+        assert item["top_logprobs"][0]["logprob"] >= item["top_logprobs"][1]["logprob"]
+    legacy = choices["cmpl"]["logprobs"]
+    assert len(legacy["tokens"]) == len(legacy["token_logprobs"]) == 4
+    assert all(len(top) == 1 for top in legacy["top_logprobs"])
+    assert legacy["text_offset"][0] == 0 and legacy["text_offset"] == sorted(legacy["text_offset"])
+    assert "".join(legacy["tokens"]) == choices["cmpl"]["text"]
+    assert choices["plain"]["logprobs"] is None
 
 
 def test_output_reads_with_datasets(tmp_path, run_cli):
