@@ -112,11 +112,16 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival = arrival_time or time.monotonic()
         text = prompt if isinstance(prompt, str) else None
+        token_ids: list[int] = []
         try:
             token_ids = self._prompt_token_ids(prompt)
-            self._check_params(params)
+            self.check_params(params)
+            if len(token_ids) >= self.max_model_len:
+                raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is "
+                                 f"{self.max_model_len} (room for at least one output token "
+                                 "is needed)")
         except (ValueError, TypeError) as e:  # TypeError: text the tokenizer cannot take
-            self._fail(request_id, text, [], params, str(e), arrival)
+            self._fail(request_id, text, token_ids, params, str(e), arrival)
             return
         children = []
         for i in range(params.n):
@@ -136,8 +141,9 @@ class LLMEngine:
             self.requests[child.request_id] = child
             self.scheduler.add_request(child)
 
-    def _check_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: the bounds this model's vocabulary sets."""
+    def check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: the bounds this model's vocabulary sets
+        (ValueError)."""
         vocab = self.model_config.vocab_size
         if params.logprobs is not None and params.logprobs > vocab:
             raise ValueError(f"logprobs {params.logprobs} exceeds the vocabulary size ({vocab})")
@@ -161,9 +167,6 @@ class LLMEngine:
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not token_ids:
             raise ValueError("prompt has no tokens")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is "
-                             f"{self.max_model_len} (room for at least one output token is needed)")
         return token_ids
 
     def _fail(self, request_id: str, prompt: str | None, token_ids: list[int],

@@ -217,7 +217,14 @@ def open_input(spec: str, split: str | None = None) -> Source:
     if fmt is None:
         raise JobError(f"INPUT {spec}: unknown file type {path.suffix or '(none)'}; use "
                        ".parquet, .jsonl, .json or .csv (or a directory of them)")
+    _no_split(spec, fmt, split)
     return Source(spec, fmt, [path], split=split)
+
+
+def _no_split(spec: str, fmt: str, split: str | None) -> None:
+    if split is not None:
+        raise JobError(f"--split {split}: INPUT {spec} is {fmt} data, which has no splits; "
+                       "--split applies to a datasets save_to_disk folder or hf:NAME")
 
 
 def _open_directory(spec: str, path: Path, split: str | None) -> Source:
@@ -234,7 +241,9 @@ def _open_directory(spec: str, path: Path, split: str | None) -> Source:
     if len(formats) > 1:
         raise JobError(f"INPUT {spec}: the directory mixes formats ({', '.join(sorted(formats))}); "
                        "give one directory per format")
-    return Source(spec, formats.pop(), files, split=split)
+    fmt = formats.pop()
+    _no_split(spec, fmt, split)
+    return Source(spec, fmt, files, split=split)
 
 
 def _unify_schemas(schemas: list[pa.Schema], spec: str) -> pa.Schema:

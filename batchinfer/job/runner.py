@@ -10,6 +10,7 @@ the loop after the current step; finished rows are committed and the exit code i
 """
 from __future__ import annotations
 
+import re
 import signal
 import sys
 import threading
@@ -22,7 +23,7 @@ from batchinfer.job.errors import JobError
 from batchinfer.job.manifest import Manifest, OutputDir, fingerprint, now_iso
 from batchinfer.job.metrics import JobMetrics
 from batchinfer.job.openai_output import write_openai_output
-from batchinfer.job.options import JobOptions, engine_flags_in
+from batchinfer.job.options import JobOptions, engine_flags_in, flag
 from batchinfer.job.ordering import ReorderWindow
 from batchinfer.job.progress import Progress
 from batchinfer.job.prompts import (PromptBuilder, PromptSpec, WorkItem, check_kinds,
@@ -194,6 +195,10 @@ def _run_engine(options: JobOptions, source: Source, plan: _Plan, writer: PartWr
             raise JobError(f"--model {options.model}: {e}") from None
         except ValueError as e:
             raise JobError(f"cannot start the engine: {engine_flags_in(str(e))}") from None
+        try:  # flags the model's vocabulary bounds (--logprobs, --stop-token-ids)
+            engine.check_params(options.sampling_params())
+        except ValueError as e:
+            raise JobError(re.sub(r"^(\w+)", lambda m: flag(m.group(1)), str(e))) from None
         progress = Progress(total, len(done), options.progress, err, options.progress_interval)
         loop = _Loop(options, source, plan, writer, done, engine, metrics, progress)
         try:

@@ -70,6 +70,7 @@ def test_bad_prompts_fail_alone(llm):
     good = [outs[0], outs[4]]
     assert all(o.error is None and o.outputs[0].finish_reason == "length" for o in good)
     assert "max_model_len" in outs[1].error and outs[1].outputs[0].finish_reason == "error"
+    assert outs[1].prompt_token_ids == too_long  # its length is known and reported
     assert "empty" in outs[2].error
     assert "token ids" in outs[3].error
     assert "not valid Unicode" in outs[5].error  # a lone surrogate, as JSON's \ud800 gives
@@ -123,7 +124,7 @@ def test_sampling_params_validation():
                 dict(temperature=nan), dict(repetition_penalty=nan), dict(top_p=float("inf")),
                 dict(top_k=2.5), dict(max_tokens=2.5), dict(n=True), dict(logprobs=2.5),
                 dict(seed=2 ** 63), dict(seed=2 ** 63 - 1, n=2), dict(stop_token_ids=["7"]),
-                dict(stop_token_ids=[-1])):
+                dict(stop_token_ids=[-1]), dict(stop=5), dict(stop_token_ids=7)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
     # any integer type is taken, as a Python int

@@ -66,6 +66,9 @@ class FakeEngine:
             outputs.append(RequestOutput(request_id, None, ids, outs, True, 0, metrics))
         return outputs
 
+    def check_params(self, params: SamplingParams) -> None:
+        pass
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._queue)
 

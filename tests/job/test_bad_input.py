@@ -116,6 +116,8 @@ def test_fatal_input_and_model_mistakes(tmp_path, run_cli, no_model_load):
     assert_fatal(run_cli(tmp_path / "clash.jsonl", "-o", tmp_path / "o"), "completion")
     assert_fatal(run_cli(tmp_path / "in.jsonl", "-o", tmp_path / "in.jsonl" / "sub"),
                  "in.jsonl is a file, not a directory")
+    assert_fatal(run_cli(tmp_path / "in.jsonl", "-o", tmp_path / "o", "--split", "test"),
+                 "--split test", "has no splits")
     assert not (tmp_path / "o").exists()
 
 
@@ -149,3 +151,14 @@ def test_ctrl_c_while_starting_exits_130(tmp_path, run_cli, monkeypatch):
     result = run_cli(tmp_path / "in.jsonl", "-o", tmp_path / "out")
     assert result.exit_code == 130, result.output
     assert "Interrupted while starting" in result.stderr
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--logprobs", "100000"], ["--logprobs 100000 exceeds the vocabulary size"]),
+    (["--stop-token-ids", "999999"], ["--stop-token-ids must be token ids in [0, "]),
+])
+def test_flags_beyond_the_models_vocabulary(tmp_path, run_cli, flags, words):
+    # only the model knows its vocabulary: checked once it is loaded, before any row runs
+    (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
+    assert_fatal(run_cli(tmp_path / "in.jsonl", "-o", tmp_path / "out", *flags), *words)
+    assert not list((tmp_path / "out").glob("part-*"))
