@@ -24,6 +24,8 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Outputs in the order of the prompts (strings or token-id lists)."""
+        if hasattr(prompts, "tolist") and not isinstance(prompts, list):
+            prompts = prompts.tolist()  # a numpy array (or tensor) of token ids
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                         and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
@@ -33,10 +35,14 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         ids = []
-        for prompt, p in zip(prompts, params):
-            request_id = str(next(self._ids))
-            self.llm_engine.add_request(request_id, prompt, p)
-            ids.append(request_id)
+        try:
+            for prompt, p in zip(prompts, params):
+                request_id = str(next(self._ids))
+                self.llm_engine.add_request(request_id, prompt, p)
+                ids.append(request_id)
+        except BaseException:  # a bad argument or Ctrl-C part way: the added ones go too
+            self.llm_engine.abort_request(ids)
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = False,

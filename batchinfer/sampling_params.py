@@ -39,11 +39,12 @@ class SamplingParams:
             self.stop = [self.stop]
         for name, what in (("stop", "a string or a list of strings"),
                            ("stop_token_ids", "a list of integers")):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, (list, tuple)):
+            value = getattr(self, name)  # any collection: a list, tuple, set, range, array
+            if value is not None and (isinstance(value, (str, bytes, dict))
+                                      or not hasattr(value, "__iter__")):
                 raise ValueError(f"SamplingParams.{name} must be {what}, got {value!r}")
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop = list(self.stop) if self.stop is not None else []
+        self.stop_token_ids = list(self.stop_token_ids) if self.stop_token_ids is not None else []
         self._validate()
         if self.top_k < 0:
             self.top_k = 0
@@ -51,7 +52,8 @@ class SamplingParams:
     def _validate(self) -> None:
         """Every value checked for type, finiteness and range here, so a bad one is a
         ValueError naming its field when the params are made, not a failure inside a
-        step of a batch. Integer fields take any integer type (numpy's too)."""
+        step of a batch. Integer fields take any integer type (numpy's too) and floats
+        that are whole numbers (3.0, as JSON writers may give)."""
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
 
@@ -60,6 +62,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is None and optional:
                 return
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)  # 3.0, as JSON writers sometimes give integers
             ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
             if ok:
                 value = int(value)
@@ -95,10 +99,11 @@ class SamplingParams:
         integer("logprobs", 0, optional=True)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"SamplingParams.stop must be non-empty strings, got {self.stop!r}")
-        if any(not isinstance(t, numbers.Integral) or isinstance(t, bool) or t < 0
-               for t in self.stop_token_ids):
+        ids = [int(t) if isinstance(t, float) and t.is_integer() else t
+               for t in self.stop_token_ids]
+        if any(not isinstance(t, numbers.Integral) or isinstance(t, bool) or t < 0 for t in ids):
             raise bad("stop_token_ids", "must be integers >= 0")
-        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        self.stop_token_ids = [int(t) for t in ids]
 
     @property
     def greedy(self) -> bool:

@@ -179,6 +179,8 @@ class LLMEngine:
                                           metrics, error))
 
     def abort_request(self, request_ids: list[str]) -> None:
+        dropped = set(request_ids)
+        self._failed = [out for out in self._failed if out.request_id not in dropped]
         for request_id in request_ids:
             parent = self.parents.pop(request_id, None)
             for child in parent.children if parent else ():
@@ -326,6 +328,7 @@ class LLMEngine:
             raise ValueError("the model's tokenizer has no chat template")
         text = self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
+        _check_unicode(text, "the conversation")  # roles and content parts included
         return self.tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -344,7 +347,6 @@ def _text_message(message) -> dict:
         return {**message, "content": "\n".join(p["text"] for p in content)}
     if not isinstance(content, str):
         raise ValueError("each message must be a dict with string 'role' and 'content'")
-    _check_unicode(content, "message content")
     return message
 
 

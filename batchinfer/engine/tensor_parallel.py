@@ -211,12 +211,15 @@ class TensorParallelGroup:
 
         thread = threading.Thread(target=join, name="batchinfer-tp-join", daemon=True)
         thread.start()
-        while thread.is_alive():
-            thread.join(0.5)
-            failed = self.failed_worker("while the group formed")
-            if thread.is_alive() and failed:
-                _stranded_join = thread  # blocked in the rendezvous; it fails on its own
-                raise WorkerError(failed)
+        try:
+            while thread.is_alive():
+                thread.join(0.5)
+                failed = self.failed_worker("while the group formed")
+                if thread.is_alive() and failed:
+                    raise WorkerError(failed)
+        finally:
+            if thread.is_alive():  # given up (or Ctrl-C): blocked in the rendezvous until
+                _stranded_join = thread  # it times out, so no new join may start meanwhile
         if failure:
             # a join broken by a worker's death (a reset connection) is explained by it
             if failed := self.failed_worker("while the group formed", grace_s=5.0):

@@ -34,6 +34,9 @@ from batchinfer.job.rangeset import RangeSet
 META_DIR = "__batchinfer__"
 MANIFEST_VERSION = 1
 
+# the order of each token's logprobs entries in a part: the sampled token first
+SAMPLED_FIRST = "sampled_first"
+
 
 @dataclass
 class Manifest:
@@ -199,7 +202,7 @@ class OutputDir:
         self.write_part(table, name)
         manifest.done = done.ranges()
         manifest.parts.append({"file": name, "rows": table.num_rows,
-                               "input_rows": num_input_rows})
+                               "input_rows": num_input_rows, "logprobs_order": SAMPLED_FIRST})
         self.save(manifest)
 
     def save(self, manifest: Manifest) -> None:
@@ -207,6 +210,12 @@ class OutputDir:
 
     def part_paths(self, manifest: Manifest) -> list[Path]:
         return [self.path / p["file"] for p in manifest.parts]
+
+    def parts_with_sampled_first(self, manifest: Manifest) -> list[tuple[Path, bool]]:
+        """Each part, and whether its logprobs lists start with the sampled token (a part
+        without the mark lists them by rank: its sampled token cannot be told apart)."""
+        return [(self.path / p["file"], p.get("logprobs_order") == SAMPLED_FIRST)
+                for p in manifest.parts]
 
 
 def now_iso() -> str:

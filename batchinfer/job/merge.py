@@ -16,7 +16,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchinfer.job.errors import JobError
-from batchinfer.job.manifest import OutputDir, fsync_dir
+from batchinfer.job.manifest import SAMPLED_FIRST, OutputDir, fsync_dir
 from batchinfer.job.schema import schema_from_json
 
 
@@ -76,6 +76,9 @@ def merge_parts(outdir: OutputDir, rows_per_file: int = 1_000_000) -> tuple[int,
                         current = None
         if current is not None:
             merged.append(current.close())
+        if all(p.get("logprobs_order") == SAMPLED_FIRST for p in manifest.parts):
+            for entry in merged:
+                entry["logprobs_order"] = SAMPLED_FIRST
         fsync_dir(outdir.path)
         manifest.parts = merged
         outdir.save(manifest)

@@ -23,20 +23,24 @@ _COLUMNS = ("id", "sample_index", "url", "body", "completion", "finish_reason",
             "prompt_tokens", "output_tokens", "error", "logprobs")
 
 
-def _rows(paths: list[Path]) -> Iterator[list[dict[str, Any]]]:
-    """The output rows of each input row together (its samples are consecutive)."""
+def _rows(parts: list[tuple[Path, bool]]) -> Iterator[tuple[list[dict[str, Any]], bool]]:
+    """The output rows of each input row together (its samples are consecutive), with
+    whether the part they start in lists logprobs with the sampled token first."""
     group: list[dict[str, Any]] = []
-    for path in paths:
+    group_flag = True
+    for path, sampled_first in parts:
         f = pq.ParquetFile(path)
         columns = [c for c in _COLUMNS if c in f.schema_arrow.names]
         for batch in f.iter_batches(batch_size=4096, columns=columns):
             for row in batch.to_pylist():
                 if group and row["sample_index"] == 0:
-                    yield group
+                    yield group, group_flag
                     group = []
+                if not group:
+                    group_flag = sampled_first
                 group.append(row)
     if group:
-        yield group
+        yield group, group_flag
 
 
 def _hex(text: str, n: int) -> str:
@@ -68,8 +72,11 @@ def _logprobs_object(steps: list[list[dict[str, Any]]], k: int, is_chat: bool) -
 
     if is_chat:
         def entry(e):
-            return {"token": e["token"], "logprob": e["logprob"],
-                    "bytes": list(e["token"].encode("utf-8"))}
+            # a token that is part of a character decodes to U+FFFD: its own bytes are not
+            # in the column, and OpenAI allows null
+            token = e["token"]
+            return {"token": token, "logprob": e["logprob"],
+                    "bytes": None if "\ufffd" in token else list(token.encode("utf-8"))}
         return {"content": [{**entry(step[0]), "top_logprobs": [entry(e) for e in top(step)]}
                             for step in steps]}
     offsets, at = [], 0
@@ -83,7 +90,8 @@ def _logprobs_object(steps: list[list[dict[str, Any]]], k: int, is_chat: bool) -
 
 
 def response_line(group: list[dict[str, Any]], model: str, created: int,
-                  default_logprobs: int | None = None) -> dict[str, Any]:
+                  default_logprobs: int | None = None,
+                  sampled_first: bool = True) -> dict[str, Any]:
     first = group[0]
     custom_id = first["id"]
     request_id = _hex(f"{custom_id}", 32)
@@ -104,7 +112,7 @@ def response_line(group: list[dict[str, Any]], model: str, created: int,
             choice["text"] = row["completion"]
         steps = row.get("logprobs")
         logprobs = None
-        if steps:
+        if steps and sampled_first:
             k = _top_k(first.get("body"), is_chat, default_logprobs)
             logprobs = _logprobs_object(steps, k, is_chat)
         choice.update(logprobs=logprobs, finish_reason=row["finish_reason"])
@@ -120,16 +128,18 @@ def response_line(group: list[dict[str, Any]], model: str, created: int,
     return line
 
 
-def write_openai_output(paths: list[Path], dest: Path, model: str,
+def write_openai_output(parts: list[tuple[Path, bool]], dest: Path, model: str,
                         default_logprobs: int | None = None) -> int:
-    """Write the output JSONL atomically; returns the number of lines. default_logprobs:
+    """Write the output JSONL atomically; returns the number of lines. parts: each part
+    file and whether its logprobs lists start with the sampled token (OutputDir.
+    parts_with_sampled_first; a part without it gets null logprobs). default_logprobs:
     --logprobs, for lines that do not ask themselves."""
     created = int(time.time())
     tmp = dest.with_name(f".{dest.name}.tmp")
     count = 0
     with open(tmp, "w", encoding="utf-8") as f:
-        for group in _rows(paths):
-            line = response_line(group, model, created, default_logprobs)
+        for group, sampled_first in _rows(parts):
+            line = response_line(group, model, created, default_logprobs, sampled_first)
             f.write(json.dumps(line, ensure_ascii=False) + "\n")
             count += 1
         f.flush()

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from batchinfer.job.errors import JobError
+from batchinfer.job.manifest import META_DIR
 from batchinfer.job.shard import Shard
 from batchinfer.sampling_params import SamplingParams
 
@@ -163,13 +164,22 @@ class JobOptions:
             raise JobError("give only one of --prompt-column and --messages-column")
         _check_can_hold(self.output, "--output")
         if self.metrics_textfile is not None:
-            textfile = Path(self.metrics_textfile).expanduser()
-            if textfile.is_dir() or not textfile.parent.is_dir():
-                raise JobError(f"--metrics-textfile {self.metrics_textfile}: needs a file path "
-                               "in an existing directory")
+            self._check_textfile(Path(self.metrics_textfile).expanduser())
         self.sampling_params()
         self.engine_config()
         self.system_prompt_text()
+
+    def _check_textfile(self, textfile: Path) -> None:
+        """--metrics-textfile: a file in an existing directory, or in OUTDIR/__batchinfer__
+        (which the job creates); not in OUTDIR itself, whose files readers take as Parquet."""
+        outdir = Path(self.output).expanduser().resolve()
+        where = textfile.parent.resolve()
+        name = f"--metrics-textfile {self.metrics_textfile}"
+        if where == outdir:
+            raise JobError(f"{name}: a file in OUTDIR would be read as part of the Parquet "
+                           f"dataset; write it elsewhere or in OUTDIR/{META_DIR}")
+        if textfile.is_dir() or not (where.is_dir() or where == outdir / META_DIR):
+            raise JobError(f"{name}: needs a file path in an existing directory")
 
     def sampling_params(self) -> SamplingParams:
         kwargs = {k: getattr(self, k) for k in SAMPLING_OPTIONS if getattr(self, k) is not None}

@@ -114,9 +114,15 @@ class Source:
             yield from self._columnar_batches(schema, done, stop, shard)
             return
         converters = _csv_converters(schema) if self.format == "csv" else None
+        # a job whose schema names the first CSV column with the byte order mark in front
+        # (the mark read as part of the name) continues with that name
+        marked = (schema.names[0] if self.format == "csv" and len(schema)
+                  and schema.names[0].startswith("\ufeff") else None)
         batch: list[InputRow] = []
         index = -1
         for where, raw in self._raw_rows():
+            if marked is not None and raw[0] and raw[0][0] == marked[1:]:
+                raw = ([marked, *raw[0][1:]], raw[1])
             index += 1
             if stop is not None and index >= stop:
                 break
@@ -217,14 +223,7 @@ def open_input(spec: str, split: str | None = None) -> Source:
     if fmt is None:
         raise JobError(f"INPUT {spec}: unknown file type {path.suffix or '(none)'}; use "
                        ".parquet, .jsonl, .json or .csv (or a directory of them)")
-    _no_split(spec, fmt, split)
     return Source(spec, fmt, [path], split=split)
-
-
-def _no_split(spec: str, fmt: str, split: str | None) -> None:
-    if split is not None:
-        raise JobError(f"--split {split}: INPUT {spec} is {fmt} data, which has no splits; "
-                       "--split applies to a datasets save_to_disk folder or hf:NAME")
 
 
 def _open_directory(spec: str, path: Path, split: str | None) -> Source:
@@ -241,9 +240,7 @@ def _open_directory(spec: str, path: Path, split: str | None) -> Source:
     if len(formats) > 1:
         raise JobError(f"INPUT {spec}: the directory mixes formats ({', '.join(sorted(formats))}); "
                        "give one directory per format")
-    fmt = formats.pop()
-    _no_split(spec, fmt, split)
-    return Source(spec, fmt, files, split=split)
+    return Source(spec, formats.pop(), files, split=split)
 
 
 def _unify_schemas(schemas: list[pa.Schema], spec: str) -> pa.Schema:

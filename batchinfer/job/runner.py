@@ -109,6 +109,11 @@ def _plan(options: JobOptions, source: Source, outdir: OutputDir) -> _Plan:
         plan = _Plan(PromptSpec(**manifest.prompt), schema_from_json(manifest.input_schema),
                      set(manifest.json_columns), manifest, fresh=False)
     else:
+        if options.split is not None and source.format != "arrow":
+            # only a new job is refused: an existing one recorded with --split continues
+            raise JobError(f"--split {options.split}: INPUT {source.spec} is {source.format} "
+                           "data, which has no splits; --split applies to a datasets "
+                           "save_to_disk folder or hf:NAME")
         inspection = source.inspect()
         spec = detect(inspection.columns, options)
         if inspection.types is not None:
@@ -292,7 +297,8 @@ class _Loop:
         self.metrics.observe_rows(self.finished)
         output_tokens = prompt_tokens = cached_tokens = 0
         for rows in self.finished:
-            prompt_tokens += rows[0].get("prompt_tokens") or 0
+            if rows[0]["finish_reason"] != "error":  # a failed row's prompt never ran
+                prompt_tokens += rows[0].get("prompt_tokens") or 0
             cached_tokens += rows[0].get("cached_tokens") or 0
             output_tokens += sum(r["output_tokens"] for r in rows)
         self.progress.update(len(self.finished), output_tokens, prompt_tokens, cached_tokens)
@@ -308,7 +314,8 @@ def _finish(options: JobOptions, outdir: OutputDir, manifest: Manifest, complete
     summary["runs"] = len(manifest.runs)
     write_summary(outdir.summary_path, summary)
     if complete and options.output_format == "openai":
-        write_openai_output(paths, outdir.openai_path, options.model, options.logprobs)
+        write_openai_output(outdir.parts_with_sampled_first(manifest), outdir.openai_path,
+                            options.model, options.logprobs)
     if stop.requested:
         name = signal.Signals(stop.signum).name
         print(f"batchinfer: stopped by {name}; {summary['rows']} rows committed in "

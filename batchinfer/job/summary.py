@@ -25,7 +25,8 @@ def _aggregate(paths: list[Path]) -> dict[str, Any]:
     exprs = {
         "first": pc.if_else(first, 1, 0).cast(pa.int64()),
         "failed": pc.if_else(failed, 1, 0).cast(pa.int64()),
-        "prompt_tokens": pc.if_else(first, pc.field("prompt_tokens"), zero),
+        # a failed row's prompt (its length is reported) was never computed
+        "prompt_tokens": pc.if_else(first & ~failed, pc.field("prompt_tokens"), zero),
         "cached_tokens": pc.if_else(first, pc.field("cached_tokens"), zero),
         "output_tokens": pc.field("output_tokens"),
         "preemptions": pc.field("preemptions"),

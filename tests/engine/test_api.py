@@ -58,9 +58,19 @@ def test_chat_uses_the_template(llm):
 
 def test_token_ids_of_any_integer_type(llm):
     ids = [1, 5, 9]
-    as_numpy = llm.generate(list(np.array(ids)), GREEDY)  # one prompt of numpy ints
-    assert len(as_numpy) == 1 and as_numpy[0].error is None
-    assert as_numpy[0].outputs[0].token_ids == llm.generate(ids, GREEDY)[0].outputs[0].token_ids
+    expected = llm.generate(ids, GREEDY)[0].outputs[0].token_ids
+    for prompt in (list(np.array(ids)), np.array(ids)):  # numpy ints, a numpy array
+        out = llm.generate(prompt, GREEDY)
+        assert len(out) == 1 and out[0].error is None
+        assert out[0].outputs[0].token_ids == expected
+    batch = llm.generate(np.array([ids, ids]), GREEDY)  # a 2-D array: one prompt a row
+    assert [o.outputs[0].token_ids for o in batch] == [expected, expected]
+
+
+def test_a_bad_argument_part_way_through_generate_leaves_nothing_behind(llm):
+    with pytest.raises(AttributeError):
+        llm.generate([[1, 2, 3], [4, 5, 6]], [GREEDY, {}])  # the second params are no params
+    assert not llm.llm_engine.has_unfinished_requests()
 
 
 def test_bad_prompts_fail_alone(llm):
@@ -74,8 +84,11 @@ def test_bad_prompts_fail_alone(llm):
     assert "empty" in outs[2].error
     assert "token ids" in outs[3].error
     assert "not valid Unicode" in outs[5].error  # a lone surrogate, as JSON's \ud800 gives
-    with pytest.raises(ValueError, match="not valid Unicode"):
-        llm.chat([{"role": "user", "content": "bad \udc80"}], GREEDY)
+    for message in ({"role": "user", "content": "bad \udc80"},
+                    {"role": "user", "content": [{"type": "text", "text": "x\ud800"}]},
+                    {"role": "user\ud800", "content": "hi"}):
+        with pytest.raises(ValueError, match="not valid Unicode"):
+            llm.chat([message], GREEDY)
     pool = llm.llm_engine.kv.pool
     assert pool.num_free_blocks == pool.num_blocks
 
@@ -127,12 +140,15 @@ def test_sampling_params_validation():
                 dict(stop_token_ids=[-1]), dict(stop=5), dict(stop_token_ids=7)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
-    # any integer type is taken, as a Python int
+    # any integer type is taken, as a Python int, and so are whole floats and collections
     params = SamplingParams(n=np.int64(2), seed=np.int32(5), max_tokens=np.int64(3),
                             stop_token_ids=[np.int64(2)], top_k=-1)
     assert (params.n, params.seed, params.max_tokens, params.stop_token_ids, params.top_k) \
         == (2, 5, 3, [2], 0)
     assert all(type(v) is int for v in (params.n, params.seed, params.max_tokens))
+    params = SamplingParams(max_tokens=3.0, stop_token_ids=range(2, 4), stop={"x"})
+    assert (params.max_tokens, params.stop_token_ids, params.stop) == (3, [2, 3], ["x"])
+    assert SamplingParams(stop_token_ids=np.array([7, 8])).stop_token_ids == [7, 8]
 
 
 def test_params_beyond_the_vocabulary_fail_alone(llm):

@@ -56,6 +56,10 @@ def test_corrupted_jsonl_keeps_good_rows_and_flags_bad_ones(tmp_path, run_cli, r
     assert rows[2]["n"] == 2 and rows[2]["prompt"] is None and rows[8]["prompt"] == long_prompt
     summary = json.loads((tmp_path / "out" / "__batchinfer__" / "summary.json").read_text())
     assert summary["rows"] == len(lines) and summary["errors"] == len(reasons)
+    # the over-long prompt's length is reported on its row, but it never ran: the
+    # summary's prompt tokens are the good rows' alone
+    assert rows[8]["prompt_tokens"] > 64
+    assert summary["prompt_tokens"] == sum(rows[i]["prompt_tokens"] for i in (0, 4, 12))
 
 
 @pytest.fixture
@@ -91,9 +95,11 @@ def assert_fatal(result, *words: str) -> None:
     (["--device", "cuda:99"], ["--device 'cuda:99'"]),
     (["--tokenizer", "/nonexistent/tokenizer"], ["--tokenizer", "not found"]),
     (["--metrics-textfile", "/nonexistent/dir/m.prom"], ["--metrics-textfile"]),
+    (["--metrics-textfile", "OUT/m.prom"], ["read as part of the Parquet dataset"]),
 ])
 def test_bad_flag_values(tmp_path, run_cli, no_model_load, flags, words):
     (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
+    flags = [f.replace("OUT", str(tmp_path / "out")) for f in flags]
     assert_fatal(run_cli(tmp_path / "in.jsonl", "-o", tmp_path / "out", *flags), *words)
     assert not (tmp_path / "out").exists()
 
@@ -142,8 +148,8 @@ def test_outdir_of_another_job_is_refused(tmp_path, run_cli):
 
 
 def test_ctrl_c_while_starting_exits_130(tmp_path, run_cli, monkeypatch):
-    # before the job installs its own signal handling (reading the input, loading the
-    # model), Ctrl-C is a KeyboardInterrupt: the exit code is still the shell's 130
+    # before the job installs its own signal handling (while it reads and checks the
+    # input), Ctrl-C is a KeyboardInterrupt: the exit code is still the shell's 130
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
     monkeypatch.setattr("batchinfer.job.runner.run_job", interrupted)

@@ -228,7 +228,8 @@ def test_openai_batch_lines_ask_for_logprobs_themselves(tmp_path, run_cli, refer
     for item, token, step in zip(content, ref.token_ids, ref.logprobs):
         assert item["token"] == step[token].decoded_token
         assert item["logprob"] == pytest.approx(step[token].logprob, abs=1e-5)
-        assert item["bytes"] == list(item["token"].encode())
+        assert item["bytes"] == (None if "\ufffd" in item["token"]
+                                 else list(item["token"].encode()))
         assert len(item["top_logprobs"]) == 2
         assert item["top_logprobs"][0]["logprob"] >= item["top_logprobs"][1]["logprob"]
     legacy = choices["cmpl"]["logprobs"]
@@ -237,6 +238,26 @@ def test_openai_batch_lines_ask_for_logprobs_themselves(tmp_path, run_cli, refer
     assert legacy["text_offset"][0] == 0 and legacy["text_offset"] == sorted(legacy["text_offset"])
     assert "".join(legacy["tokens"]) == choices["cmpl"]["text"]
     assert choices["plain"]["logprobs"] is None
+
+    def rerun_choices():  # a finished job run again rewrites openai_output.jsonl
+        check_ok(run_cli(tmp_path / "batch.jsonl", "-o", tmp_path / "out", "--output-format",
+                         "openai"))
+        lines = (tmp_path / "out" / "__batchinfer__" / "openai_output.jsonl").read_text()
+        return {o["custom_id"]: o["response"]["body"]["choices"][0]
+                for o in map(json.loads, lines.splitlines())}
+    # merging keeps what the parts record about their logprobs order
+    from batchinfer.job.manifest import OutputDir
+    from batchinfer.job.merge import merge_parts
+    merge_parts(OutputDir(tmp_path / "out"))
+    assert rerun_choices()["chat"]["logprobs"] == choices["chat"]["logprobs"]
+    # parts that do not record it (listed by rank: the sampled token cannot be told
+    # apart) get no logprobs object rather than a wrong one
+    manifest_path = tmp_path / "out" / "__batchinfer__" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    for part in manifest["parts"]:
+        del part["logprobs_order"]
+    manifest_path.write_text(json.dumps(manifest))
+    assert rerun_choices()["chat"]["logprobs"] is None
 
 
 def test_output_reads_with_datasets(tmp_path, run_cli):

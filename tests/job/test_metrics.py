@@ -128,3 +128,13 @@ def test_a_textfile_that_cannot_be_written_does_not_stop_the_job(tmp_path, caplo
     metrics.tick(force=True)
     warnings = [r for r in caplog.records if "--metrics-textfile" in r.getMessage()]
     assert len(warnings) == 1  # said once, then the job goes on
+
+
+def test_a_textfile_in_outdirs_own_directory_on_a_fresh_job(tmp_path, run_cli):
+    write_input(tmp_path / "in.jsonl")
+    textfile = tmp_path / "out" / "__batchinfer__" / "job.prom"  # made by the job itself
+    result = run_cli(tmp_path / "in.jsonl", "-o", tmp_path / "out", "--max-tokens", "2",
+                     "--metrics-textfile", textfile)
+    assert result.exit_code == 0, result.output
+    assert samples(textfile.read_text())["batchinfer:job_rows_done_total"] == NUM_ROWS
+    assert ds.dataset(tmp_path / "out").to_table().num_rows == NUM_ROWS

@@ -90,6 +90,15 @@ def test_a_utf8_byte_order_mark_is_skipped(tmp_path, name, body):
     assert [(r.values["prompt"], r.error) for r in rows] == [("hello", None), ("world", None)]
 
 
+def test_a_schema_naming_the_first_csv_column_with_its_byte_order_mark_keeps_it(tmp_path):
+    # such a schema is what a job that took the mark as part of the name recorded
+    (tmp_path / "in.csv").write_bytes(b"\xef\xbb\xbfkey,prompt\nk1,hello\n")
+    source = open_input(str(tmp_path / "in.csv"))
+    schema = pa.schema([("\ufeffkey", pa.string()), ("prompt", pa.string())])
+    rows = [r for batch in source.batches(schema, set(), RangeSet([])) for r in batch]
+    assert rows[0].values == {"\ufeffkey": "k1", "prompt": "hello"}
+
+
 def test_a_dictionary_encoded_prompt_column_is_read_decoded(tmp_path):
     prompts = pa.array(["hello", "world", "hello"]).dictionary_encode()  # a Categorical
     labels = pa.array(["a", "b", "a"]).dictionary_encode()
