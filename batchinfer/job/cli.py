@@ -107,6 +107,25 @@ def _options(f):
     return f
 
 
+def _convert(value: Any, param: click.Option, ctx: click.Context) -> Any:
+    """A TOML value through its flag's type, kept to that type's own kind of value: click
+    would turn 2.5 into 2 for an integer, true into 1, and 1 into the string "1"."""
+    type_ = param.type
+    if isinstance(type_, click.types.IntParamType):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        want = "an integer"
+    elif isinstance(type_, click.types.FloatParamType):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        want = "a number"
+    elif isinstance(type_, (click.types.StringParamType, click.Choice, click.Path)):
+        ok, want = isinstance(value, str), "a string"
+    else:
+        ok, want = True, ""
+    if not ok:
+        raise click.BadParameter(f"expected {want}, got {value!r}")
+    return type_.convert(value, param, ctx)
+
+
 def _from_job_file(ctx: click.Context, path: str) -> dict[str, Any]:
     """Job-file values, checked and converted by the types of the matching flags."""
     params = {p.name: p for p in ctx.command.params if isinstance(p, click.Option)}
@@ -121,13 +140,13 @@ def _from_job_file(ctx: click.Context, path: str) -> dict[str, Any]:
         try:
             if param.multiple:
                 items = value if isinstance(value, list) else [value]
-                values[name] = [param.type.convert(v, param, ctx) for v in items]
+                values[name] = [_convert(v, param, ctx) for v in items]
             elif param.is_flag:
                 if not isinstance(value, bool):
                     raise click.BadParameter(f"expected true or false, got {value!r}")
                 values[name] = value
             else:
-                values[name] = param.type.convert(value, param, ctx)
+                values[name] = _convert(value, param, ctx)
         except click.BadParameter as e:
             raise JobError(f"--config {path}: {name}: {e.format_message()}") from None
     return values

@@ -2,8 +2,9 @@
 
 Keys are option names with dashes or underscores (`max-tokens = 64`); tables such as
 `[sampling]` or `[engine]` may group them and are flattened. Relative paths (input,
-output, metrics textfile, `@file` system prompts, a model directory) are resolved against
-the folder of the job file, so a job file runs the same from any working directory.
+output, metrics textfile, `@file` system prompts, a model or tokenizer directory) are
+resolved against the folder of the job file, so a job file runs the same from any working
+directory.
 """
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ def _resolve_paths(values: dict[str, Any], base: Path) -> dict[str, Any]:
     prompt = values.get("system_prompt")
     if isinstance(prompt, str) and prompt.startswith("@"):
         values["system_prompt"] = "@" + resolve(prompt[1:])
-    model = values.get("model")
-    if isinstance(model, str) and model != "demo" and (base / model).is_dir():
-        values["model"] = str(base / model)
+    for key in ("model", "tokenizer"):  # a directory beside the job file, else as given
+        name = values.get(key)
+        if isinstance(name, str) and name != "demo" and (base / name).is_dir():
+            values[key] = str(base / name)
     return values

@@ -69,6 +69,38 @@ def fingerprint(job: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(job, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def real_differences(recorded: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """The settings that make `new` another job than the `recorded` one, leaving out what
+    only looks different: a setting the record does not hold (a job description that names
+    fewer things is taken as agreeing on the rest), a model or tokenizer path naming the same
+    directory, and input files recorded without a content digest that agree on path and size."""
+    def same_dir(a: Any, b: Any) -> bool:
+        return (isinstance(a, str) and isinstance(b, str) and Path(a).expanduser().is_dir()
+                and Path(a).expanduser().resolve() == Path(b).expanduser().resolve())
+
+    def recorded_holds(name: str) -> bool:
+        at: Any = recorded
+        for key in name.split("."):
+            if not isinstance(at, dict) or key not in at:
+                return False
+            at = at[key]
+        return True
+
+    out = []
+    for name in job_differences(recorded, new):
+        if not recorded_holds(name):
+            continue
+        if name in ("model", "tokenizer") and same_dir(recorded[name], new[name]):
+            continue
+        if name == "input.files":
+            old_files, new_files = recorded["input"]["files"], new["input"]["files"]
+            width = min((len(f) for f in old_files), default=3)
+            if [f[:width] for f in old_files] == [f[:width] for f in new_files]:
+                continue
+        out.append(name)
+    return out
+
+
 def job_differences(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
     """Dotted names of the settings that differ between two job descriptions."""
     out = []
@@ -133,10 +165,12 @@ class OutputDir:
                 raise JobError(f"--output {self.path} is not empty and holds no batchinfer "
                                "output; choose a new or empty directory")
             return None
-        if manifest.fingerprint != fingerprint(job):
+        diffs = [] if manifest.fingerprint == fingerprint(job) else \
+            real_differences(manifest.job, job)
+        if diffs:
             if not manifest.parts:
                 return None  # a start that failed before finishing any row: nothing to keep
-            diff = ", ".join(job_differences(manifest.job, job)) or "settings"
+            diff = ", ".join(diffs)
             raise JobError(f"--output {self.path} holds the output of a different job ({diff} "
                            "differ); pass --overwrite to replace it, or choose another --output")
         return manifest

@@ -56,8 +56,8 @@ def merge_parts(outdir: OutputDir, rows_per_file: int = 1_000_000) -> tuple[int,
     outdir.open(manifest, fresh=False)
     try:
         old = outdir.part_paths(manifest)
-        if len(old) <= 1:
-            return len(old), len(old)
+        if not old or (len(old) == 1 and manifest.parts[0]["rows"] <= rows_per_file):
+            return len(old), len(old)  # already as asked
         schema = schema_from_json(manifest.output_schema)
         merged: list[dict] = []
         current: _MergedFile | None = None

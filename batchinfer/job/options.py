@@ -219,8 +219,9 @@ class JobOptions:
         """
         params = asdict(self.sampling_params())
         return {
-            "model": self.model,
-            "tokenizer": self.tokenizer,
+            "model": local_path(self.model),
+            "tokenizer": local_path(self.tokenizer),
+            "dtype": self.dtype or "auto",  # the numerics of every row
             "split": self.split,
             "prompt_column": self.prompt_column,
             "messages_column": self.messages_column,
@@ -238,6 +239,15 @@ class JobOptions:
         """Where this process writes: OUTDIR, or its shard's directory inside it."""
         shard = self.shard()
         return str(shard.directory(self.output)) if shard is not None else self.output
+
+
+def local_path(name: str | None) -> str | None:
+    """A model or tokenizer as a job records it: a local directory by its absolute path (so
+    `models/m`, `./models/m` and `../x/models/m` are one model), anything else as given."""
+    if name is None or name == "demo":
+        return name
+    path = Path(name).expanduser()
+    return str(path.resolve()) if path.is_dir() else name
 
 
 def _check_can_hold(path: str, name: str) -> None:

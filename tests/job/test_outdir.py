@@ -72,6 +72,10 @@ def test_merge_compacts_parts_and_the_job_still_resumes(tmp_path):
     assert sorted(ds.dataset(out).to_table().column("id").to_pylist()) == list(range(30))
     result = CliRunner().invoke(merge, [str(out), "--rows-per-file", "12"])
     assert result.exit_code == 0 and len(list(out.glob("part-*.parquet"))) == 3
+    assert CliRunner().invoke(merge, [str(out)]).exit_code == 0  # back to one part...
+    result = CliRunner().invoke(merge, [str(out), "--rows-per-file", "7"])
+    assert result.exit_code == 0 and len(list(out.glob("part-*.parquet"))) == 5  # ...split
+    assert sorted(ds.dataset(out).to_table().column("id").to_pylist()) == list(range(30))
     assert CliRunner().invoke(merge, [str(tmp_path)]).exit_code == 2
 
 
@@ -102,6 +106,18 @@ def test_job_file_paths_types_and_overrides(tmp_path, monkeypatch):
     (jobs / "bad.toml").write_text('model = "demo"\nmax-tokens = "many"\n')
     result = CliRunner().invoke(run, ["--config", str(jobs / "bad.toml")])
     assert result.exit_code == 2 and "max_tokens" in result.stderr
+    # a value of the wrong TOML type is refused, not converted (2.5 is not 2, 1 not "1")
+    for line, words in (("max-tokens = 2.5", "expected an integer"),
+                        ("limit = true", "expected an integer"),
+                        ('stop = [1, 2]', "expected a string"),
+                        ('temperature = "0.5"', "expected a number")):
+        (jobs / "typed.toml").write_text(f'model = "demo"\n{line}\n')
+        result = CliRunner().invoke(run, ["--config", str(jobs / "typed.toml")])
+        assert result.exit_code == 2 and words in result.stderr, (line, result.stderr)
+    # a tokenizer directory beside the job file, like a model directory
+    (jobs / "tok").mkdir()
+    (jobs / "tok.toml").write_text('model = "demo"\ntokenizer = "tok"\n')
+    assert load_job_file(jobs / "tok.toml")["tokenizer"] == str(jobs / "tok")
     (jobs / "unknown.toml").write_text('modle = "demo"\n')
     result = CliRunner().invoke(run, ["--config", str(jobs / "unknown.toml")])
     assert result.exit_code == 2 and "unknown option 'modle'" in result.stderr
@@ -131,3 +147,46 @@ def test_progress_logs_lines_off_a_terminal():
     progress.update(1, 1, 1, 1)
     progress.close()
     assert quiet.getvalue() == ""
+
+
+def test_what_makes_a_job_another_one(tmp_path, monkeypatch):
+    assert run_fake(fake_job(tmp_path, limit=10)).exit_code == 0
+
+    def continues(**kwargs) -> bool:
+        try:
+            return run_fake(fake_job(tmp_path, **kwargs)).exit_code == 0
+        except JobError as e:
+            assert "holds the output of a different job" in str(e)
+            return False
+
+    # one model directory, however the path is written
+    (tmp_path / "models" / "m").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    first = fake_job(tmp_path, limit=12)
+    first.model = "models/m"
+    first.output = str(tmp_path / "out-m")
+    assert run_fake(first).exit_code == 0
+    monkeypatch.chdir(tmp_path / "models")
+    again = fake_job(tmp_path, limit=14)
+    again.model, again.output = "./m", first.output
+    assert run_fake(again).exit_code == 0
+    # another dtype is another job: its rows would not match the ones written
+    assert not continues(limit=12, dtype="bfloat16")
+    # an input edited in place keeps its size but not its content
+    path = tmp_path / "in.jsonl"
+    path.write_text(path.read_text().replace("row 1", "ROW 1"))
+    assert not continues(limit=12)
+
+
+def test_a_job_recorded_with_fewer_settings_continues(tmp_path):
+    # a manifest that records no dtype and no input digest (a description naming fewer
+    # things) agrees on them
+    assert run_fake(fake_job(tmp_path, limit=10)).exit_code == 0
+    manifest_path = tmp_path / "out" / "__batchinfer__" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    del manifest["job"]["dtype"]
+    manifest["job"]["input"]["files"] = [f[:2] for f in manifest["job"]["input"]["files"]]
+    manifest["fingerprint"] = "recorded-by-another-description"
+    manifest_path.write_text(json.dumps(manifest))
+    result = run_fake(fake_job(tmp_path, limit=12))
+    assert result.exit_code == 0 and result.summary["rows"] == 12
