@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from batchinfer.job.errors import JobError
-from batchinfer.job.manifest import META_DIR, OutputDir, fingerprint, job_differences
+from batchinfer.job.manifest import META_DIR, OutputDir, fingerprint, real_differences
 
 BLOCK_ROWS = 1024
 
@@ -87,8 +87,11 @@ def check_layout(output: str | Path, shard: Shard | None, job: dict[str, Any]) -
         if manifest is None or not manifest.parts:
             continue
         theirs = {k: v for k, v in manifest.job.items() if k != "shard"}
-        if fingerprint(theirs) != fingerprint(mine):  # (as JSON: tuples read back as lists)
-            diff = ", ".join(job_differences(theirs, mine)) or "settings"
+        # (compared as JSON: tuples read back as lists)
+        diffs = [] if fingerprint(theirs) == fingerprint(mine) else \
+            real_differences(theirs, mine)
+        if diffs:
+            diff = ", ".join(diffs)
             raise JobError(f"--output {path}: {directory.name} holds rows of a different job "
                            f"({diff} differ); run the same job in every shard, or choose "
                            "another --output")
