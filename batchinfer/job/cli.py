@@ -36,7 +36,8 @@ class SizeType(click.ParamType):
 
 
 def _options(f):
-    """The flags of `run`, in groups; every default is None so a job file can fill it."""
+    """The flags of `run`, in groups; every default is None so a job file can fill it (and
+    every on/off flag has its --no- form, so a flag given here can turn a file's value off)."""
     O = click.option
     decorators = [
         O("--config", "config", type=click.Path(dir_okay=False),
@@ -58,11 +59,11 @@ def _options(f):
         O("--n", type=int, help="Completions per prompt."),
         O("--stop", multiple=True, help="Stop string (repeatable)."),
         O("--stop-token-ids", type=int, multiple=True, help="Stop token id (repeatable)."),
-        O("--ignore-eos", is_flag=True, default=None),
+        O("--ignore-eos/--no-ignore-eos", default=None),
         O("--repetition-penalty", type=float), O("--presence-penalty", type=float),
         O("--frequency-penalty", type=float),
         O("--logprobs", type=int, help="Save the top-K logprobs of each token (adds columns)."),
-        O("--include-stop-str-in-output", is_flag=True, default=None),
+        O("--include-stop-str-in-output/--no-include-stop-str-in-output", default=None),
         O("--skip-special-tokens/--no-skip-special-tokens", default=None),
         # EngineConfig
         O("--dtype", help="auto (default), float32, bfloat16 or float16."),
@@ -74,12 +75,12 @@ def _options(f):
         O("--prefix-caching/--no-prefix-caching", default=None),
         O("--tensor-parallel-size", type=int),
         O("--attention-backend", help="auto (default), torch or triton."),
-        O("--enforce-eager", is_flag=True, default=None,
+        O("--enforce-eager/--no-enforce-eager", default=None,
           help="CUDA: run decode steps eagerly instead of replaying CUDA graphs."),
         O("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)."),
         O("--tokenizer", help="Tokenizer directory, when not the model's."),
-        O("--trust-remote-code", is_flag=True, default=None),
-        O("--allow-pickle-weights", is_flag=True, default=None),
+        O("--trust-remote-code/--no-trust-remote-code", default=None),
+        O("--allow-pickle-weights/--no-allow-pickle-weights", default=None),
         # The job
         O("--num-shards", type=click.IntRange(min=1),
           help="Split the input among this many independent runs (e.g. a Slurm array)."),
@@ -91,9 +92,9 @@ def _options(f):
         O("--commit-seconds", type=float, help="...or every T seconds (default 60)."),
         O("--output-format", type=click.Choice(OUTPUT_FORMATS),
           help="openai: also write the OpenAI Batch output JSONL (OpenAI Batch input only)."),
-        O("--save-token-ids", is_flag=True, default=None,
+        O("--save-token-ids/--no-save-token-ids", default=None,
           help="Add prompt_token_ids and token_ids columns."),
-        O("--overwrite", is_flag=True, default=None,
+        O("--overwrite/--no-overwrite", default=None,
           help="Replace the output of a different job in OUTDIR."),
         O("--progress/--no-progress", default=None, help="Progress bar (or log lines)."),
         O("--progress-interval", type=float, help="Seconds between log lines off a TTY (30)."),

@@ -101,6 +101,11 @@ def test_job_file_paths_types_and_overrides(tmp_path, monkeypatch):
     CliRunner().invoke(run, ["--config", str(jobs / "job.toml"), "--max-tokens", "3"])
     options = seen["o"]
     assert options.max_tokens == 3 and options.temperature == 0.0
+    # an on/off setting of the file turned off by its --no- flag
+    (jobs / "flags.toml").write_text('model = "demo"\nsave-token-ids = true\nignore-eos = true\n')
+    seen.clear()
+    CliRunner().invoke(run, ["--config", str(jobs / "flags.toml"), "--no-save-token-ids"])
+    assert seen["o"].save_token_ids is False and seen["o"].ignore_eos is True
     assert options.kv_cache_memory == 2**30 and options.system_prompt_text() == "Be brief."
 
     (jobs / "bad.toml").write_text('model = "demo"\nmax-tokens = "many"\n')
