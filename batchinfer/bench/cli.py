@@ -62,6 +62,12 @@ class _BenchGroup(click.Group):
         return kernels_main
 
 
+# what a --workload preset sets (the prefix-repetition dataset's own flags included)
+DATASET_FLAGS = ("dataset_name", "dataset_path", "input_len", "output_len", "random_range_ratio",
+                 "prefix_len", "prefix_repetition_prefix_len", "prefix_repetition_suffix_len",
+                 "prefix_repetition_num_prefixes", "prefix_repetition_output_len")
+
+
 @click.group(cls=_BenchGroup, invoke_without_command=True,
              context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
 @click.option("--model", default="tiny",
@@ -144,6 +150,12 @@ def bench(ctx: click.Context, **opts) -> None:
     if ctx.invoked_subcommand is not None:
         return
     from batchinfer.bench.runner import run_bench, run_overhead
+    if opts["workload"] is not None:
+        given = [f"--{name.replace('_', '-')}" for name in DATASET_FLAGS
+                 if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE]
+        if given:
+            raise click.UsageError(f"--workload {opts['workload']} sets the dataset flags "
+                                   f"itself; drop {', '.join(given)} (or --workload)")
     if opts["num_threads"] is not None:
         import torch
         torch.set_num_threads(opts["num_threads"])

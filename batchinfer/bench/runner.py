@@ -190,6 +190,9 @@ def run_overhead(opts: dict) -> dict:
     if opts["tensor_parallel_size"] > 1:
         raise ValueError("--model-stub measures the engine in one process; "
                          "drop --tensor-parallel-size")
+    if opts["baseline"] != "none" or opts["compare_prefix_caching"]:
+        raise ValueError("--model-stub measures the engine's own overhead, with no model to "
+                         "compare; drop --baseline / --compare-prefix-caching")
     # The stub never reads the KV cache, so one layer is enough; hidden size and vocabulary
     # (logits and sampler work) stay those of the shape.
     if os.path.isdir(opts["model"]):

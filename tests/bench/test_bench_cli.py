@@ -145,6 +145,8 @@ def test_a_failed_request_is_a_usage_error(cache_dir, tmp_path):
     (["--model-stub", "--tensor-parallel-size", "2"], "drop --tensor-parallel-size"),
     (["--gpu-memory-utilization", "1.5"], "0<x<=1"),
     (["--device", "cuda:99"], "device 'cuda:99'"),
+    (["--workload", "shared-prefix", "--dataset-name", "random"], "drop --dataset-name"),
+    (["--model-stub", "--baseline", "hf"], "drop --baseline"),
     # a pool of 96 blocks caps max_model_len at 1536 tokens: the fix is a bigger pool
     (["--input-len", "1600", "--max-model-len", "2048"], "give the KV cache more room"),
     (["--input-len", "1600", "--max-model-len", "1024"], "raise --max-model-len"),
