@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 
 from batchinfer.job.errors import JobError
 from batchinfer.job.rangeset import RangeSet
-from batchinfer.job.schema import ColumnTypes, encode_json_columns
+from batchinfer.job.schema import ColumnTypes, encode_json_columns, storable
 from batchinfer.job.shard import BLOCK_ROWS, Shard
 
 BATCH_ROWS = 1024
@@ -177,9 +177,8 @@ class Source:
             for a, b in _owned_runs(first, last, shard):
                 if done.covers(a, b):
                     continue
-                rows = _conform(batch.slice(a - first, b - a), schema).to_pylist()
-                out += [InputRow(a + i, values) for i, values in enumerate(rows)
-                        if a + i not in done]
+                out += [row for row in _columnar_rows(batch.slice(a - first, b - a), a, schema)
+                        if row.index not in done]
             if out:
                 yield out
 
@@ -269,6 +268,30 @@ def _unify_schemas(schemas: list[pa.Schema], spec: str) -> pa.Schema:
         raise JobError(f"INPUT {spec}: the Parquet files have incompatible schemas: {e}")
 
 
+# what converting a value to the job's schema or to Python can raise
+_VALUE_ERRORS = (pa.ArrowException, OverflowError, ValueError, NotImplementedError)
+
+
+def _columnar_rows(batch: pa.RecordBatch, first: int, schema: pa.Schema) -> list[InputRow]:
+    """The batch's rows as InputRows numbered from `first`. A row holding a value that does
+    not fit the job's column type (files of a directory whose types were unified) or that
+    Python cannot hold (a timestamp past year 9999) is a failed row, not a failed job."""
+    try:
+        return [InputRow(first + i, values)
+                for i, values in enumerate(_conform(batch, schema).to_pylist())]
+    except _VALUE_ERRORS:
+        pass
+    rows = []
+    for i in range(batch.num_rows):
+        try:
+            rows.append(InputRow(first + i, _conform(batch.slice(i, 1), schema).to_pylist()[0]))
+        except _VALUE_ERRORS as e:
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            rows.append(InputRow(first + i, {}, f"a value cannot be read as its column's "
+                                                f"type: {reason}"))
+    return rows
+
+
 def _conform(batch: pa.RecordBatch, schema: pa.Schema) -> pa.Table:
     """The batch with exactly `schema`'s columns and types (missing columns as nulls)."""
     if batch.schema.equals(schema):
@@ -339,9 +362,19 @@ def _inspect_clean_jsonl(files: list[Path]) -> Inspection | None:
         schema = pa.unify_schemas(schemas)
     except (pa.ArrowException, OSError):
         return None
-    if rows == 0 or any(_has_temporal(f.type) for f in schema):
+    if rows == 0 or any(_has_temporal(f.type) or not storable(f.type) for f in schema):
+        return None
+    # Arrow reads an integer beyond int64 as a float64 (and the rows then fail to convert):
+    # the Python scan keeps such a column as JSON text, exactly
+    if any(pa.types.is_floating(f.type) for f in schema) and any(
+            _BIG_INTEGER.search(p.read_bytes()) for p in files):
         return None
     return Inspection(schema.names, rows, arrow_schema=schema)
+
+
+# an integer literal of 19 digits or more: it may not fit int64 (JSON strings that hold
+# such digits match too; they only cost the faster inspection)
+_BIG_INTEGER = re.compile(rb"(?<![\d.eE])-?\d{19,}(?![\d.eE])")
 
 
 def _has_temporal(type_: pa.DataType) -> bool:

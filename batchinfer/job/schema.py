@@ -37,15 +37,28 @@ def kind_of(value: Any) -> str:
     return "other"
 
 
+def storable(type_: pa.DataType) -> bool:
+    """Whether Parquet can hold the type: no struct without fields (JSON's {}) at any depth."""
+    if pa.types.is_struct(type_):
+        return type_.num_fields > 0 and all(storable(type_.field(i).type)
+                                            for i in range(type_.num_fields))
+    if pa.types.is_map(type_):
+        return storable(type_.key_type) and storable(type_.item_type)
+    if hasattr(type_, "value_type") and not pa.types.is_dictionary(type_):
+        return storable(type_.value_type)  # the list types
+    return True
+
+
 def _infer(kind: str, values: list[Any]) -> pa.DataType | None:
     if kind in _FIXED:
         return _FIXED[kind]
     if kind == "other":
         return _FAILED
     try:
-        return pa.array(values, type=pa.int64() if kind == "int" else None).type
+        type_ = pa.array(values, type=pa.int64() if kind == "int" else None).type
     except (pa.ArrowException, OverflowError, TypeError, ValueError):
         return _FAILED
+    return type_ if storable(type_) else _FAILED  # kept as JSON text
 
 
 def _unify(a: pa.DataType | None, b: pa.DataType | None) -> pa.DataType | None:
@@ -54,10 +67,11 @@ def _unify(a: pa.DataType | None, b: pa.DataType | None) -> pa.DataType | None:
     if a == b:
         return a
     try:
-        return pa.unify_schemas([pa.schema([pa.field("v", a)]), pa.schema([pa.field("v", b)])],
-                                promote_options="permissive").field("v").type
+        type_ = pa.unify_schemas([pa.schema([pa.field("v", a)]), pa.schema([pa.field("v", b)])],
+                                 promote_options="permissive").field("v").type
     except (pa.ArrowException, TypeError, ValueError):
         return _FAILED
+    return type_ if storable(type_) else _FAILED
 
 
 class ColumnTypes:

@@ -109,7 +109,12 @@ def to_table(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
         column = [r.get(f.name) for r in rows]
         try:
             arrays.append(pa.array(column, type=f.type))
+            continue
         except (pa.ArrowException, OverflowError, TypeError, ValueError):
+            pass
+        try:  # types Arrow builds only by a cast, such as extension types (bool8)
+            arrays.append(pa.array(column).cast(f.type))
+        except (pa.ArrowException, OverflowError, TypeError, ValueError, NotImplementedError):
             arrays.append(pa.array([_fit(v, f.type) for v in column], type=f.type))
     return pa.Table.from_arrays(arrays, schema=schema)
 

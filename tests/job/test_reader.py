@@ -109,6 +109,35 @@ def test_a_dictionary_encoded_prompt_column_is_read_decoded(tmp_path):
     assert [r.values["prompt"] for r in rows] == ["hello", "world", "hello"]
 
 
+def test_json_values_parquet_cannot_hold_as_they_are_stay_exact(tmp_path):
+    # a clean file (read by Arrow's JSON reader): {} has no Parquet type, and an integer
+    # beyond int64 would become a float; both are kept as JSON text, exactly
+    (tmp_path / "in.jsonl").write_text(
+        '{"prompt": "a", "meta": {}, "big": 18446744073709551615, "score": 0.5}\n'
+        '{"prompt": "b", "meta": {}, "big": 1, "score": 1.5}\n')
+    _, schema, json_columns, rows = read_all(tmp_path / "in.jsonl")
+    assert {"meta", "big"} <= json_columns and schema.field("score").type == pa.float64()
+    assert [(r.values["meta"], r.values["big"]) for r in rows] == \
+        [("{}", "18446744073709551615"), ("{}", "1")]
+
+
+def test_a_value_that_cannot_be_read_fails_its_row_only(tmp_path):
+    # files of a directory unified to int64, one holding a uint64 beyond it; and a
+    # timestamp past year 9999, which Python cannot hold
+    (tmp_path / "d").mkdir()
+    pq.write_table(pa.table({"prompt": ["a"], "n": pa.array([1], pa.int64())}),
+                   tmp_path / "d" / "1.parquet")
+    pq.write_table(pa.table({"prompt": ["b", "c"], "n": pa.array([2, 2 ** 64 - 1], pa.uint64())}),
+                   tmp_path / "d" / "2.parquet")
+    _, _, _, rows = read_all(tmp_path / "d")
+    assert [(r.values.get("n"), r.error is None) for r in rows[:2]] == [(1, True), (2, True)]
+    assert "cannot be read as its column's type" in rows[2].error
+    far = pa.array([0, 300_000_000_000_000_000], pa.timestamp("us"))  # year ~11476
+    pq.write_table(pa.table({"prompt": ["a", "b"], "t": far}), tmp_path / "far.parquet")
+    _, _, _, rows = read_all(tmp_path / "far.parquet")
+    assert rows[0].error is None and "cannot be read" in rows[1].error
+
+
 def test_open_input_mistakes(tmp_path):
     with pytest.raises(JobError, match="no such file"):
         open_input(str(tmp_path / "nope.jsonl"))
@@ -145,3 +174,12 @@ def test_parquet_directory_with_evolving_schema(tmp_path):
     assert [r.values for r in rows] == [{"prompt": "a", "x": 1, "y": None},
                                         {"prompt": "b", "x": 2, "y": None},
                                         {"prompt": "c", "x": 3, "y": "new"}]
+
+
+def test_extension_typed_columns_come_back_through_the_writer():
+    from batchinfer.job.writer import to_table
+    type_ = pa.bool8()
+    schema = pa.schema([("flag", type_)])
+    table = to_table([{"flag": True}, {"flag": False}, {"flag": None}], schema)
+    assert table.schema.field("flag").type == type_
+    assert table.column("flag").to_pylist() == [True, False, None]
