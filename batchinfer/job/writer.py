@@ -50,7 +50,11 @@ def output_schema(input_schema: pa.Schema, spec: PromptSpec, save_token_ids: boo
                        "rename them in the input")
     if reuse_id:
         added = added[1:]
-    return pa.schema([*input_schema, *added])
+    # pandas' and Hugging Face's descriptions of the input columns (nullable integers, an
+    # index, ClassLabel names) stay with them; readers infer the added columns
+    carried = {k: v for k, v in (input_schema.metadata or {}).items()
+               if k in (b"pandas", b"huggingface")}
+    return pa.schema([*input_schema, *added], metadata=carried or None)
 
 
 def _id_type(input_schema: pa.Schema, spec: PromptSpec) -> pa.DataType:

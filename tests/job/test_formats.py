@@ -269,3 +269,29 @@ def test_output_reads_with_datasets(tmp_path, run_cli):
                                    cache_dir=str(tmp_path / "cache"), split="train")
     assert sorted(loaded["id"]) == list(range(len(PROMPTS)))
     assert len(list((tmp_path / "out").glob("part-*.parquet"))) >= 2
+
+
+def test_pandas_and_datasets_descriptions_of_input_columns_are_kept(tmp_path, run_cli):
+    import datasets
+    import pandas as pd
+    frame = pd.DataFrame({"prompt": ["a b", "c d", "e f"],
+                          "big": pd.array([2 ** 53 + 1, None, 3], dtype="Int64"),
+                          "flag": pd.array([True, None, False], dtype="boolean")},
+                         index=pd.Index([10, 20, 30], name="row"))
+    frame.to_parquet(tmp_path / "frame.parquet")
+    check_ok(run_cli(tmp_path / "frame.parquet", "-o", tmp_path / "out1", *SAMPLING_FLAGS))
+    back = pd.read_parquet(tmp_path / "out1").sort_index()
+    assert back.index.name == "row" and back.index.tolist() == [10, 20, 30]
+    assert str(back["big"].dtype) == "Int64" and back["big"].tolist()[0] == 2 ** 53 + 1
+    assert str(back["flag"].dtype) == "boolean"
+
+    labelled = datasets.Dataset.from_dict(
+        {"prompt": ["a b", "c d"], "label": [1, 0]},
+        features=datasets.Features({"prompt": datasets.Value("string"),
+                                    "label": datasets.ClassLabel(names=["neg", "pos"])}))
+    labelled.to_parquet(str(tmp_path / "labelled.parquet"))
+    check_ok(run_cli(tmp_path / "labelled.parquet", "-o", tmp_path / "out2", *SAMPLING_FLAGS))
+    loaded = datasets.load_dataset("parquet", data_dir=str(tmp_path / "out2"),
+                                   cache_dir=str(tmp_path / "cache"), split="train")
+    assert loaded.features["label"] == datasets.ClassLabel(names=["neg", "pos"])
+    assert loaded.features["completion"] == datasets.Value("string")
