@@ -367,9 +367,21 @@ def _inspect_clean_jsonl(files: list[Path]) -> Inspection | None:
     # Arrow reads an integer beyond int64 as a float64 (and the rows then fail to convert):
     # the Python scan keeps such a column as JSON text, exactly
     if any(pa.types.is_floating(f.type) for f in schema) and any(
-            _BIG_INTEGER.search(p.read_bytes()) for p in files):
+            _has_big_integer(p) for p in files):
         return None
     return Inspection(schema.names, rows, arrow_schema=schema)
+
+
+def _has_big_integer(path: Path, chunk: int = 1 << 24) -> bool:
+    """Whether the file holds a _BIG_INTEGER, read a chunk at a time (chunks overlap, so a
+    number across a boundary is seen whole)."""
+    tail = b""
+    with open(path, "rb") as f:
+        while data := f.read(chunk):
+            if _BIG_INTEGER.search(tail + data):
+                return True
+            tail = data[-64:]
+    return False
 
 
 # an integer literal of 19 digits or more: it may not fit int64 (JSON strings that hold
