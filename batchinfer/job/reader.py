@@ -366,10 +366,18 @@ def _inspect_clean_jsonl(files: list[Path]) -> Inspection | None:
         return None
     # Arrow reads an integer beyond int64 as a float64 (and the rows then fail to convert):
     # the Python scan keeps such a column as JSON text, exactly
-    if any(pa.types.is_floating(f.type) for f in schema) and any(
-            _has_big_integer(p) for p in files):
+    if any(_has_floating(f.type) for f in schema) and any(_has_big_integer(p) for p in files):
         return None
     return Inspection(schema.names, rows, arrow_schema=schema)
+
+
+def _has_floating(type_: pa.DataType) -> bool:
+    """A float type anywhere in the type (nested in structs and lists too)."""
+    if pa.types.is_floating(type_):
+        return True
+    if hasattr(type_, "value_type") and not pa.types.is_dictionary(type_):
+        return _has_floating(type_.value_type)
+    return any(_has_floating(type_.field(i).type) for i in range(type_.num_fields))
 
 
 def _has_big_integer(path: Path, chunk: int = 1 << 24) -> bool:

@@ -119,6 +119,14 @@ def test_json_values_parquet_cannot_hold_as_they_are_stay_exact(tmp_path):
     assert {"meta", "big"} <= json_columns and schema.field("score").type == pa.float64()
     assert [(r.values["meta"], r.values["big"]) for r in rows] == \
         [("{}", "18446744073709551615"), ("{}", "1")]
+    # nested in a struct or a list too
+    (tmp_path / "nested.jsonl").write_text(
+        '{"prompt": "a", "m": {"n": 12345678901234567890123}, "l": [123456789012345678901, 1]}\n'
+        '{"prompt": "b", "m": {"n": 1}, "l": [2]}\n')
+    _, _, json_columns, rows = read_all(tmp_path / "nested.jsonl")
+    assert {"m", "l"} <= json_columns
+    assert (rows[0].values["m"], rows[0].values["l"]) == \
+        ('{"n": 12345678901234567890123}', "[123456789012345678901, 1]")
 
 
 def test_a_value_that_cannot_be_read_fails_its_row_only(tmp_path):
