@@ -71,14 +71,20 @@ class Source:
     files: list[Path] = field(default_factory=list)
     dataset_path: str | None = None   # arrow: a save_to_disk folder or a hub name
     split: str | None = None
+    _identity: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
     def identity(self) -> dict[str, Any]:
-        """What names this input in a job's fingerprint."""
-        if self.format == "arrow" and not self.files:
-            return {"dataset": self.dataset_path, "split": self.split}
-        return {"format": self.format, "split": self.split,
-                "files": [[str(p.resolve()), p.stat().st_size, sampled_digest(p)]
-                          for p in self.files]}
+        """What names this input in a job's fingerprint (worked out once: it reads a
+        little of every file)."""
+        if self._identity is None:
+            if self.format == "arrow" and not self.files:
+                self._identity = {"dataset": self.dataset_path, "split": self.split}
+            else:
+                self._identity = {
+                    "format": self.format, "split": self.split,
+                    "files": [[str(p.resolve()), p.stat().st_size, sampled_digest(p)]
+                              for p in self.files]}
+        return self._identity
 
     def inspect(self) -> Inspection:
         if self.format == "parquet":
