@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 
 from batchinfer.job.errors import JobError
 from batchinfer.job.rangeset import RangeSet
-from batchinfer.job.schema import ColumnTypes, encode_json_columns, storable
+from batchinfer.job.schema import ColumnTypes, contains_type, encode_json_columns, storable
 from batchinfer.job.shard import BLOCK_ROWS, Shard
 
 BATCH_ROWS = 1024
@@ -368,22 +368,15 @@ def _inspect_clean_jsonl(files: list[Path]) -> Inspection | None:
         schema = pa.unify_schemas(schemas)
     except (pa.ArrowException, OSError):
         return None
-    if rows == 0 or any(_has_temporal(f.type) or not storable(f.type) for f in schema):
+    if rows == 0 or any(contains_type(f.type, pa.types.is_temporal) or not storable(f.type)
+                        for f in schema):
         return None
     # Arrow reads an integer beyond int64 as a float64 (and the rows then fail to convert):
     # the Python scan keeps such a column as JSON text, exactly
-    if any(_has_floating(f.type) for f in schema) and any(_has_big_integer(p) for p in files):
+    if any(contains_type(f.type, pa.types.is_floating) for f in schema) and any(
+            _has_big_integer(p) for p in files):
         return None
     return Inspection(schema.names, rows, arrow_schema=schema)
-
-
-def _has_floating(type_: pa.DataType) -> bool:
-    """A float type anywhere in the type (nested in structs and lists too)."""
-    if pa.types.is_floating(type_):
-        return True
-    if hasattr(type_, "value_type") and not pa.types.is_dictionary(type_):
-        return _has_floating(type_.value_type)
-    return any(_has_floating(type_.field(i).type) for i in range(type_.num_fields))
 
 
 def _has_big_integer(path: Path, chunk: int = 1 << 24) -> bool:
@@ -401,12 +394,6 @@ def _has_big_integer(path: Path, chunk: int = 1 << 24) -> bool:
 # an integer literal of 19 digits or more: it may not fit int64 (JSON strings that hold
 # such digits match too; they only cost the faster inspection)
 _BIG_INTEGER = re.compile(rb"(?<![\d.eE])-?\d{19,}(?![\d.eE])")
-
-
-def _has_temporal(type_: pa.DataType) -> bool:
-    if pa.types.is_temporal(type_):
-        return True
-    return any(_has_temporal(type_.field(i).type) for i in range(type_.num_fields))
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[tuple[str, int], bytes]]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import pyarrow as pa
@@ -37,16 +37,16 @@ def kind_of(value: Any) -> str:
     return "other"
 
 
+def contains_type(type_: pa.DataType, predicate: Callable[[pa.DataType], bool]) -> bool:
+    """Whether the type, or one nested in it (struct fields, list and map values), is one
+    that `predicate` picks."""
+    return predicate(type_) or any(contains_type(type_.field(i).type, predicate)
+                                   for i in range(type_.num_fields))
+
+
 def storable(type_: pa.DataType) -> bool:
     """Whether Parquet can hold the type: no struct without fields (JSON's {}) at any depth."""
-    if pa.types.is_struct(type_):
-        return type_.num_fields > 0 and all(storable(type_.field(i).type)
-                                            for i in range(type_.num_fields))
-    if pa.types.is_map(type_):
-        return storable(type_.key_type) and storable(type_.item_type)
-    if hasattr(type_, "value_type") and not pa.types.is_dictionary(type_):
-        return storable(type_.value_type)  # the list types
-    return True
+    return not contains_type(type_, lambda t: pa.types.is_struct(t) and t.num_fields == 0)
 
 
 def _infer(kind: str, values: list[Any]) -> pa.DataType | None:
