@@ -72,6 +72,9 @@ class Source:
     dataset_path: str | None = None   # arrow: a save_to_disk folder or a hub name
     split: str | None = None
     _identity: dict[str, Any] | None = field(default=None, repr=False, compare=False)
+    # columnar inputs: the first dictionary read of each dictionary-typed column, so the
+    # writer keeps its order (an ordered pandas Categorical's)
+    dictionaries: dict[str, pa.Array] = field(default_factory=dict, repr=False, compare=False)
 
     def identity(self) -> dict[str, Any]:
         """What names this input in a job's fingerprint (worked out once: it reads a
@@ -172,6 +175,9 @@ class Source:
                           shard: Shard | None) -> Iterator[list[InputRow]]:
         start = 0
         for batch in self._arrow_batches():
+            for name, column in zip(batch.schema.names, batch.columns):
+                if pa.types.is_dictionary(column.type) and name not in self.dictionaries:
+                    self.dictionaries[name] = column.dictionary
             end = start + batch.num_rows
             first, last = start, end if stop is None else min(end, stop)
             start = end

@@ -159,7 +159,7 @@ def run_job(options: JobOptions, engine_factory: EngineFactory | None = None,
             manifest.runs.append({"started": now_iso(), "wall_s": 0.0, "input_rows": 0})
             done = RangeSet(tuple(r) for r in manifest.done)
             writer = PartWriter(outdir, manifest, schema_from_json(manifest.output_schema), done,
-                                options.commit_rows, options.commit_seconds)
+                                options.commit_rows, options.commit_seconds, source.dictionaries)
             if not plan.fresh:
                 print(f"batchinfer: continuing {outdir.path}: {len(done)} rows already done",
                       file=err)

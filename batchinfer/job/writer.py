@@ -105,14 +105,21 @@ def _logprob_lists(c: CompletionOutput) -> list[list[dict[str, Any]]] | None:
              for tid, lp in step.items()] for step in c.logprobs]
 
 
-def to_table(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
+def to_table(rows: list[dict[str, Any]], schema: pa.Schema,
+             dictionaries: dict[str, pa.Array] | None = None) -> pa.Table:
     """Rows as a table of `schema`; a value that does not fit its column becomes null
-    (only the values of rows already marked failed can be like that, see schema.py)."""
+    (only the values of rows already marked failed can be like that, see schema.py).
+    `dictionaries`: the input's dictionary of a dictionary-typed column, whose order (an
+    ordered pandas Categorical's) the column keeps."""
     arrays = []
     for f in schema:
         column = [r.get(f.name) for r in rows]
+        known = (dictionaries or {}).get(f.name)
         try:
-            arrays.append(pa.array(column, type=f.type))
+            if known is not None and pa.types.is_dictionary(f.type):
+                arrays.append(_with_dictionary(column, f.type, known))
+            else:
+                arrays.append(pa.array(column, type=f.type))
             continue
         except (pa.ArrowException, OverflowError, TypeError, ValueError):
             pass
@@ -121,6 +128,22 @@ def to_table(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
         except (pa.ArrowException, OverflowError, TypeError, ValueError, NotImplementedError):
             arrays.append(pa.array([_fit(v, f.type) for v in column], type=f.type))
     return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def _with_dictionary(column: list[Any], type_: pa.DictionaryType,
+                     known: pa.Array) -> pa.DictionaryArray:
+    """The column encoded against `known` (values it lacks are appended in order)."""
+    position = {v: i for i, v in enumerate(known.to_pylist())}
+    extra: list[Any] = []
+    indices = []
+    for value in column:
+        if value is not None and value not in position:
+            position[value] = len(position)
+            extra.append(value)
+        indices.append(None if value is None else position[value])
+    dictionary = pa.concat_arrays([known, pa.array(extra, type=known.type)]) if extra else known
+    return pa.DictionaryArray.from_arrays(pa.array(indices, type=type_.index_type), dictionary,
+                                          ordered=type_.ordered)
 
 
 def _fit(value: Any, type_: pa.DataType) -> Any:
@@ -136,10 +159,12 @@ class PartWriter:
     `commit_seconds` seconds, whichever comes first."""
 
     def __init__(self, outdir: OutputDir, manifest: Manifest, schema: pa.Schema,
-                 done: RangeSet, commit_rows: int, commit_seconds: float):
+                 done: RangeSet, commit_rows: int, commit_seconds: float,
+                 dictionaries: dict[str, pa.Array] | None = None):
         self.outdir = outdir
         self.manifest = manifest
         self.schema = schema
+        self.dictionaries = dictionaries  # filled by the reader as it goes (see to_table)
         self.done = done
         self.commit_rows = commit_rows
         self.commit_seconds = commit_seconds
@@ -166,7 +191,7 @@ class PartWriter:
         self.manifest.complete = complete
         if count:
             self._rows.sort(key=lambda t: (t[0], t[1]))
-            table = to_table([r for _, _, r in self._rows], self.schema)
+            table = to_table([r for _, _, r in self._rows], self.schema, self.dictionaries)
             self.done.update(self._indices)
             self.run["input_rows"] = self.run.get("input_rows", 0) + count
             self.outdir.commit(self.manifest, table, count, self.done)

@@ -276,7 +276,9 @@ def test_pandas_and_datasets_descriptions_of_input_columns_are_kept(tmp_path, ru
     import pandas as pd
     frame = pd.DataFrame({"prompt": ["a b", "c d", "e f"],
                           "big": pd.array([2 ** 53 + 1, None, 3], dtype="Int64"),
-                          "flag": pd.array([True, None, False], dtype="boolean")},
+                          "flag": pd.array([True, None, False], dtype="boolean"),
+                          "size": pd.Categorical(["large", "small", "large"], ordered=True,
+                                                 categories=["small", "medium", "large"])},
                          index=pd.Index([10, 20, 30], name="row"))
     frame.to_parquet(tmp_path / "frame.parquet")
     check_ok(run_cli(tmp_path / "frame.parquet", "-o", tmp_path / "out1", *SAMPLING_FLAGS))
@@ -284,6 +286,9 @@ def test_pandas_and_datasets_descriptions_of_input_columns_are_kept(tmp_path, ru
     assert back.index.name == "row" and back.index.tolist() == [10, 20, 30]
     assert str(back["big"].dtype) == "Int64" and back["big"].tolist()[0] == 2 ** 53 + 1
     assert str(back["flag"].dtype) == "boolean"
+    # an ordered Categorical keeps its categories, their order and the unused one
+    assert back["size"].cat.categories.tolist() == ["small", "medium", "large"]
+    assert back["size"].cat.ordered and (back["size"] > "small").tolist() == [True, False, True]
 
     labelled = datasets.Dataset.from_dict(
         {"prompt": ["a b", "c d"], "label": [1, 0]},
