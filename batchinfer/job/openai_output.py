@@ -30,7 +30,9 @@ def _rows(parts: list[tuple[Path, bool]]) -> Iterator[tuple[list[dict[str, Any]]
     group_flag = True
     for path, sampled_first in parts:
         f = pq.ParquetFile(path)
-        columns = [c for c in _COLUMNS if c in f.schema_arrow.names]
+        names = f.schema_arrow.names
+        # `body` (the request, prompt included) only to see how many logprobs a line asked for
+        columns = [c for c in _COLUMNS if c in names and (c != "body" or "logprobs" in names)]
         for batch in f.iter_batches(batch_size=4096, columns=columns):
             for row in batch.to_pylist():
                 if group and row["sample_index"] == 0:
