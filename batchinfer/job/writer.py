@@ -107,8 +107,9 @@ def _logprob_lists(c: CompletionOutput) -> list[list[dict[str, Any]]] | None:
 
 def to_table(rows: list[dict[str, Any]], schema: pa.Schema,
              dictionaries: dict[str, pa.Array] | None = None) -> pa.Table:
-    """Rows as a table of `schema`; a value that does not fit its column becomes null
-    (only the values of rows already marked failed can be like that, see schema.py).
+    """Rows as a table of `schema`. Columns Arrow cannot build from Python values directly
+    (extension types) are built by a cast; a value that still does not fit its column
+    becomes null (the values of rows already marked failed, see schema.py).
     `dictionaries`: the input's dictionary of a dictionary-typed column, whose order (an
     ordered pandas Categorical's) the column keeps."""
     arrays = []
