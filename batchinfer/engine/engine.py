@@ -19,6 +19,7 @@ from batchinfer.engine.tensor_parallel import (RunnerArgs, TensorParallelGroup, 
                                                 check_divisible)
 from batchinfer.model.loader import architecture, resolve_model_path, resolve_tokenizer_path
 from batchinfer.model.parallel import TensorParallel
+from batchinfer.model.rope import short_context_limit
 from batchinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from batchinfer.sampling_params import SamplingParams
 
@@ -53,6 +54,13 @@ class LLMEngine:
                 raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
                                  f"max_position_embeddings ({max_len})")
             max_len = config.max_model_len
+        short = short_context_limit(self.model_config)
+        if short is not None and max_len > short:
+            if config.max_model_len is not None:
+                raise ValueError(f"max_model_len {config.max_model_len} exceeds {short}: this "
+                                 "model's LongRoPE runs with its short-context factors only, "
+                                 "up to original_max_position_embeddings")
+            max_len = short
         torch.manual_seed(config.seed)
         self.tensor_parallel: TensorParallelGroup | None = None
         if TensorParallel.size > 1:  # the parallel layers' state is the process's

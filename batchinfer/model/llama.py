@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) as plain PyTorch.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3) as plain PyTorch.
 
 Tokens are flat ([num_tokens, hidden]) with no padding; attention reads and writes the
 paged KV cache through the step's AttentionMetadata.
@@ -191,7 +191,7 @@ class CausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
-            shard_id = 0
+            shard_id = None  # a part of a fused parameter, or (None) a whole parameter
             parts = name.split(".")
             if len(parts) >= 2 and parts[-2] in fused:
                 parts[-2], shard_id = fused[parts[-2]]
@@ -200,8 +200,12 @@ class CausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
             param = params[name]
             owner = self.get_submodule(name.rsplit(".", 1)[0])
-            if hasattr(owner, "load_shard"):
-                owner.load_shard(param, tensor.to(param.dtype), shard_id)
+            if shard_id is None and isinstance(owner, ColumnParallelLinear) \
+                    and len(owner.output_sizes) > 1:
+                # stored fused (Phi-3's qkv_proj and gate_up_proj): each part is split apart
+                owner.load_fused(param, tensor.to(param.dtype))
+            elif hasattr(owner, "load_shard"):
+                owner.load_shard(param, tensor.to(param.dtype), shard_id or 0)
             else:
                 param.data.copy_(tensor)
             loaded.add(name)
@@ -236,4 +240,6 @@ ARCHITECTURES = {
     "MistralForCausalLM": ArchSpec(sliding="all"),
     "Qwen2ForCausalLM": ArchSpec(qkv_bias=True, sliding="layer_types"),
     "Qwen3ForCausalLM": ArchSpec(qk_norm=True, sliding="layer_types"),
+    # q/k/v and gate/up stored fused; a sliding window on every layer when one is set
+    "Phi3ForCausalLM": ArchSpec(sliding="all"),
 }

@@ -66,7 +66,8 @@ def _hf_hub_cache() -> Path:
 def architecture(hf_config) -> str:
     archs = getattr(hf_config, "architectures", None) or []
     by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "phi3": "Phi3ForCausalLM"}
     for arch in archs or [by_type.get(getattr(hf_config, "model_type", ""), "")]:
         if arch in ARCHITECTURES:
             return arch

@@ -72,6 +72,15 @@ class ColumnParallelLinear(nn.Module):
         size = self.output_sizes[shard_id]
         param.data[offset:offset + size].copy_(_shard(loaded, 0))
 
+    def load_fused(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """Load a checkpoint tensor that holds every part at once, one after another."""
+        full = [n * TensorParallel.size for n in self.output_sizes]
+        if loaded.shape[0] != sum(full):
+            raise ValueError(f"fused checkpoint tensor has {loaded.shape[0]} rows, expected "
+                             f"{sum(full)} ({' + '.join(map(str, full))})")
+        for shard_id, part in enumerate(loaded.split(full, dim=0)):
+            self.load_shard(param, part, shard_id)
+
     def pack_weights(self, batch_hint: int) -> None:
         if self.packed is None and self.weight is not None:  # (None: the MLP packed it)
             self.packed = cpu_linear.pack(self.weight, batch_hint)

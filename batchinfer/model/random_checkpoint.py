@@ -26,6 +26,7 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     PretrainedConfig,
+    Phi3Config,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
@@ -132,6 +133,20 @@ SHAPES: dict[str, dict[str, Any]] = {
         max_position_embeddings=2048, rope_theta=1000000.0, use_sliding_window=False,
         rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.15,
     ),
+    # q/k/v and gate/up stored fused; LongRoPE (short-context factors that differ per
+    # frequency, and the attention factor of a 4x context extension); a sliding window on
+    # every layer.
+    "test-phi3": dict(
+        model_type="phi3", hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=256, vocab_size=1800,
+        max_position_embeddings=4096, original_max_position_embeddings=1024,
+        rope_theta=10000.0,
+        rope_scaling={"rope_type": "longrope",
+                      "short_factor": [1.0 + 0.125 * i for i in range(16)],
+                      "long_factor": [4.0] * 16},
+        sliding_window=96, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        initializer_range=0.1,
+    ),
 }
 
 CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
@@ -139,6 +154,7 @@ CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "mistral": MistralConfig,
     "qwen2": Qwen2Config,
     "qwen3": Qwen3Config,
+    "phi3": Phi3Config,
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -6,30 +6,70 @@ import math
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
-def rope_parameters(config) -> dict:
-    """Rope settings from either the newer `rope_parameters` key or the older
-    `rope_scaling` + `rope_theta` keys."""
+def rope_parameters(config, layer_type: str = "full_attention") -> dict:
+    """Rope settings from either the newer `rope_parameters` key (per layer type where
+    the config has one set for each) or the older `rope_scaling` + `rope_theta` keys."""
     params = dict(getattr(config, "rope_parameters", None) or {})
-    if "full_attention" in params and isinstance(params["full_attention"], dict):
-        params = dict(params["full_attention"])
+    if isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
     scaling = getattr(config, "rope_scaling", None)
     if scaling and not params.get("rope_type"):
         params.update(scaling)
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    if params["rope_type"] in ("su", "yarn") and "short_factor" in params:  # Phi-3's old names
+        params["rope_type"] = "longrope"
     if params["rope_type"] not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope type {params['rope_type']!r} is not supported; "
                          f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"partial_rotary_factor {partial} is not supported (only rotary "
+                         "embeddings over the whole head)")
+    if params["rope_type"] == "longrope":
+        params.setdefault("original_max_position_embeddings",
+                          getattr(config, "original_max_position_embeddings", None)
+                          or config.max_position_embeddings)
+        params.setdefault("factor", config.max_position_embeddings
+                          / params["original_max_position_embeddings"])
     return params
+
+
+def short_context_limit(config) -> int | None:
+    """For LongRoPE models, the context length up to which their short-context factors
+    apply (original_max_position_embeddings): the engine runs them that far and no
+    further. None for every other rope type."""
+    params = rope_parameters(config)
+    return params["original_max_position_embeddings"] if params["rope_type"] == "longrope" else None
+
+
+def attention_scaling(params: dict) -> float:
+    """The factor LongRoPE multiplies cos and sin by (1 for the other types)."""
+    if params["rope_type"] != "longrope":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor = params["factor"]
+    if factor <= 1.0:
+        return 1.0
+    return math.sqrt(1 + math.log(factor) / math.log(params["original_max_position_embeddings"]))
 
 
 def _inv_freq(params: dict, head_dim: int) -> torch.Tensor:
     base = params["rope_theta"]
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     kind = params["rope_type"]
+    if kind == "longrope":
+        # the short-context factors: positions stay below original_max_position_embeddings
+        short = torch.tensor(params["short_factor"], dtype=torch.float32)
+        if short.numel() != head_dim // 2:
+            raise ValueError(f"rope short_factor has {short.numel()} entries; head_dim "
+                             f"{head_dim} needs {head_dim // 2}")
+        return 1.0 / (short * base ** exponents)
+    inv_freq = 1.0 / (base ** exponents)
     if kind == "linear":
         inv_freq = inv_freq / params["factor"]
     elif kind == "llama3":
@@ -55,8 +95,12 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(max_position, dtype=torch.int64).float()
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+        cos, sin = emb.cos(), emb.sin()
+        scaling = attention_scaling(params)
+        if scaling != 1.0:
+            cos, sin = cos * scaling, sin * scaling
+        self.register_buffer("cos", cos.to(dtype), persistent=False)
+        self.register_buffer("sin", sin.to(dtype), persistent=False)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for a batch's positions ([T, 1, D]), once per forward pass."""

@@ -99,6 +99,37 @@ def test_max_model_len_beyond_the_model(llama_dir):
         LLM(model=str(llama_dir), max_model_len=10 ** 6)
 
 
+def test_longrope_runs_within_its_short_context(phi3_dir):
+    # test-phi3: LongRoPE, max_position_embeddings 4096, original 1024
+    assert LLM(model=str(phi3_dir)).llm_engine.max_model_len == 1024
+    assert LLM(model=str(phi3_dir), max_model_len=600).llm_engine.max_model_len == 600
+    with pytest.raises(ValueError, match="exceeds 1024: .*LongRoPE .*short-context factors"):
+        LLM(model=str(phi3_dir), max_model_len=2048)
+
+
+def test_partial_rotary_is_refused(tmp_path, phi3_dir):
+    model = shutil.copytree(phi3_dir, tmp_path / "partial")
+    config = json.loads((model / "config.json").read_text())
+    rope = config["rope_parameters"]
+    rope["partial_rotary_factor"] = 0.75  # 24 of head_dim 32 rotated: 12 factors
+    rope["short_factor"], rope["long_factor"] = rope["short_factor"][:12], rope["long_factor"][:12]
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.75 is not supported"):
+        LLM(model=str(model))
+
+
+def test_fused_tensor_of_the_wrong_size(tmp_path, phi3_dir):
+    from safetensors.torch import load_file, save_file
+    model = shutil.copytree(phi3_dir, tmp_path / "cut")
+    weights = load_file(model / "model.safetensors")
+    name = "model.layers.1.self_attn.qkv_proj.weight"
+    weights[name] = weights[name][:-32]
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"fused checkpoint tensor has 224 rows, expected 256 "
+                                         r"\(128 \+ 64 \+ 64\)"):
+        LLM(model=str(model))
+
+
 def test_dummy_weights_load_format(llama_dir):
     llm = LLM(model=str(llama_dir), load_format="dummy")
     outs = llm.generate(PROMPTS, GREEDY)

@@ -40,6 +40,7 @@ def _run(llm: LLM) -> tuple[list, dict]:
     ("qwen2", dict(num_kv_blocks=64)),                     # q/k/v bias
     ("qwen3", dict(num_kv_blocks=64)),                     # q/k norm per head
     ("mistral", dict(num_kv_blocks=64)),                   # 64-token sliding window
+    ("phi3", dict(num_kv_blocks=64)),                      # fused q/k/v and gate/up tensors
     ("llama", dict(num_kv_blocks=6, max_num_seqs=4)),      # preemption
 ])
 def test_two_ranks_match_one(request, model, kwargs):
