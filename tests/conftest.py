@@ -77,6 +77,11 @@ def phi3_dir(checkpoint_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma3_dir(checkpoint_root: Path) -> Path:
+    return checkpoints.build_checkpoint("gemma3", checkpoint_root)
+
+
+@pytest.fixture(scope="session")
 def llama_legacy_rope_dir(checkpoint_root: Path) -> Path:
     return checkpoints.build_checkpoint("llama_legacy_rope", checkpoint_root)
 

@@ -17,7 +17,8 @@ from batchinfer.engine.request import Request, RequestStatus
 from batchinfer.engine.scheduler import Scheduler
 from batchinfer.engine.tensor_parallel import (RunnerArgs, TensorParallelGroup, WorkerError,
                                                 check_divisible)
-from batchinfer.model.loader import architecture, resolve_model_path, resolve_tokenizer_path
+from batchinfer.model.loader import (architecture, language_model_config, resolve_model_path,
+                                     resolve_tokenizer_path)
 from batchinfer.model.parallel import TensorParallel
 from batchinfer.model.rope import short_context_limit
 from batchinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -39,7 +40,8 @@ class LLMEngine:
         from transformers import AutoConfig, AutoTokenizer
         self.config = config
         path = resolve_model_path(config.model)
-        self.model_config = AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+        self.model_config = language_model_config(
+            AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code))
         architecture(self.model_config)
         tokenizer_path = resolve_tokenizer_path(config.tokenizer) if config.tokenizer else path
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path,

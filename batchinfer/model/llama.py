@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3) as plain PyTorch.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3) as plain
+PyTorch.
 
 Tokens are flat ([num_tokens, hidden]) with no padding; attention reads and writes the
 paged KV cache through the step's AttentionMetadata.
@@ -44,6 +45,22 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the stored weight is an offset from 1, and the product is taken in
+    float32 before rounding to the model's dtype (Llama rounds first)."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.float()
+        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * (1.0 + self.weight.float())).to(x.dtype)
+
+
 class Attention(nn.Module):
     def __init__(self, config, layer_idx: int, arch: "ArchSpec", backend, dtype: torch.dtype):
         super().__init__()
@@ -51,14 +68,14 @@ class Attention(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.num_heads = config.num_attention_heads // tp
         self.num_kv_heads = config.num_key_value_heads // tp
-        self.scale = self.head_dim ** -0.5
+        self.scale = (getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
         bias = arch.qkv_bias or getattr(config, "attention_bias", False)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim,
                                           config.num_attention_heads, config.num_key_value_heads, bias)
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
                                         bias=getattr(config, "attention_bias", False) and not arch.qkv_bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if arch.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if arch.qk_norm else None
+        self.q_norm = arch.norm(self.head_dim, config.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = arch.norm(self.head_dim, config.rms_norm_eps) if arch.qk_norm else None
         self.sliding_window = arch.sliding_window(config, layer_idx)
         self.backend = backend
         self.q_size = self.num_heads * self.head_dim
@@ -92,8 +109,11 @@ class MLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(
             config.hidden_size, [config.intermediate_size, config.intermediate_size])
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"activation {act!r} is not supported; supported: "
+                             f"{', '.join(ACTIVATIONS)}")
+        self.act = act
         self.packed_halves = None  # gate and up in oneDNN's layout, once pack_weights() ran
 
     def pack_weights(self, batch_hint: int) -> None:
@@ -114,6 +134,8 @@ class MLP(nn.Module):
             weight = self.gate_up_proj.weight
             half = weight.shape[0] // 2
             gate, up = F.linear(x, weight[:half]), F.linear(x, weight[half:])
+        if self.act != "silu":
+            return self.down_proj(F.gelu(gate, approximate="tanh").mul_(up))
         ops = cpu_ops.for_tensor(gate)
         if ops is not None:
             return self.down_proj(ops.silu_mul_(gate, up))
@@ -125,8 +147,9 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(config, layer_idx, arch, backend, dtype)
         self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = arch.norm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = arch.norm(config.hidden_size, config.rms_norm_eps)
+        self.rope_key = rope_key(config, layer_idx)
 
     def forward(self, rope, hidden, residual, meta, kv_cache):
         """(hidden, residual) -> the next pair: the stream is residual + hidden, each add
@@ -141,17 +164,44 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class SandwichDecoderLayer(DecoderLayer):
+    """Gemma 3's layer: the attention and MLP outputs are normed again before each
+    residual add, and the MLP input has a norm of its own."""
+
+    def __init__(self, config, layer_idx: int, arch, backend, dtype):
+        super().__init__(config, layer_idx, arch, backend, dtype)
+        self.pre_feedforward_layernorm = arch.norm(config.hidden_size, config.rms_norm_eps)
+        self.post_feedforward_layernorm = arch.norm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, rope, hidden, residual, meta, kv_cache):
+        residual = hidden if residual is None else residual + hidden
+        hidden = self.self_attn(rope, self.input_layernorm(residual), meta, kv_cache)
+        residual = residual + self.post_attention_layernorm(hidden)
+        hidden = self.mlp(self.pre_feedforward_layernorm(residual))
+        return self.post_feedforward_layernorm(hidden), residual
+
+
 class DecoderModel(nn.Module):
     def __init__(self, config, arch, backend, dtype):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, arch, backend, dtype)
+        # Gemma scales the embeddings by sqrt(hidden_size), rounded to the model's dtype
+        self.embed_scale = config.hidden_size ** 0.5 if arch.scaled_embeddings else None
+        self.layers = nn.ModuleList(arch.layer(config, i, arch, backend, dtype)
                                     for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = arch.norm(config.hidden_size, config.rms_norm_eps)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        # one table for all layers
-        self.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings,
-                                      rope_parameters(config), dtype)
+        # one table for all layers, or one per layer type where each has its own settings
+        self.rotary = nn.ModuleDict({
+            key: RotaryEmbedding(head_dim, config.max_position_embeddings,
+                                 rope_parameters(config, key), dtype)
+            for key in sorted({layer.rope_key for layer in self.layers})})
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        return hidden
 
 
 class CausalLM(nn.Module):
@@ -170,10 +220,10 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        hidden, residual = self.model.embed_tokens(input_ids), None
-        rope = self.model.rotary.lookup(positions)
+        hidden, residual = self.model.embed(input_ids), None
+        ropes = {key: table.lookup(positions) for key, table in self.model.rotary.items()}
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden, residual = layer(rope, hidden, residual, meta, kv_cache)
+            hidden, residual = layer(ropes[layer.rope_key], hidden, residual, meta, kv_cache)
         return self.model.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
@@ -215,11 +265,37 @@ class CausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
 
 
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+
+
+def rope_key(config, layer_idx: int) -> str:
+    """Which rotary table a layer uses: its layer type's where the config sets rope per
+    layer type (Gemma 3: local and global attention), else the one shared table."""
+    per_type = getattr(config, "rope_parameters", None) or {}
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and isinstance(per_type.get(layer_types[layer_idx]), dict):
+        return layer_types[layer_idx]
+    return "full_attention"
+
+
 class ArchSpec:
     """What distinguishes one supported architecture from another."""
 
-    def __init__(self, qkv_bias: bool = False, qk_norm: bool = False, sliding: str = "none"):
+    def __init__(self, qkv_bias: bool = False, qk_norm: bool = False, sliding: str = "none",
+                 gemma: bool = False):
         self.qkv_bias, self.qk_norm, self.sliding = qkv_bias, qk_norm, sliding
+        # Gemma: norms offset from 1, scaled embeddings, normed sublayer outputs
+        self.norm = GemmaRMSNorm if gemma else RMSNorm
+        self.layer = SandwichDecoderLayer if gemma else DecoderLayer
+        self.scaled_embeddings = gemma
+
+    def check(self, config) -> None:
+        """Refuse what the engine does not implement, naming it."""
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if getattr(config, name, None) is not None:
+                raise ValueError(f"{name} is not supported (Gemma 2's tanh soft-capping)")
+        if getattr(config, "use_bidirectional_attention", False):
+            raise ValueError("use_bidirectional_attention is not supported (embedding models)")
 
     def sliding_window(self, config, layer_idx: int) -> int | None:
         window = getattr(config, "sliding_window", None)
@@ -242,4 +318,6 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": ArchSpec(qk_norm=True, sliding="layer_types"),
     # q/k/v and gate/up stored fused; a sliding window on every layer when one is set
     "Phi3ForCausalLM": ArchSpec(sliding="all"),
+    # q/k norm, sliding and full attention layers with rope of their own, GELU
+    "Gemma3ForCausalLM": ArchSpec(qk_norm=True, sliding="layer_types", gemma=True),
 }

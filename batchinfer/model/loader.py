@@ -63,13 +63,48 @@ def _hf_hub_cache() -> Path:
     return home / "hub"
 
 
+# vision-language checkpoints whose text decoder runs here (text prompts only)
+LANGUAGE_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+# their weight names: the decoder's under a prefix (older and newer transformers' layouts);
+# the vision tower and projector are not loaded
+_LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                            ("language_model.lm_head.", "lm_head."))
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                    "model.multi_modal_projector.")
+
+
+def language_model_config(hf_config):
+    """The config the engine runs: a vision-language checkpoint's text config (with its
+    decoder's architecture), or the config itself."""
+    for arch in getattr(hf_config, "architectures", None) or []:
+        if arch in LANGUAGE_MODELS and getattr(hf_config, "text_config", None) is not None:
+            text = hf_config.text_config
+            text.architectures = [LANGUAGE_MODELS[arch]]
+            return text
+    return hf_config
+
+
+def language_model_weights(weights: Iterator[tuple[str, torch.Tensor]]
+                           ) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint's tensors under the text decoder's names; vision tensors dropped."""
+    for name, tensor in weights:
+        if name.startswith(_VISION_PREFIXES):
+            continue
+        for prefix, replacement in _LANGUAGE_MODEL_PREFIXES:
+            if name.startswith(prefix):
+                name = replacement + name[len(prefix):]
+                break
+        yield name, tensor
+
+
 def architecture(hf_config) -> str:
     archs = getattr(hf_config, "architectures", None) or []
     by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-               "phi3": "Phi3ForCausalLM"}
+               "phi3": "Phi3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
     for arch in archs or [by_type.get(getattr(hf_config, "model_type", ""), "")]:
         if arch in ARCHITECTURES:
+            ARCHITECTURES[arch].check(hf_config)
             return arch
     raise ValueError(f"model architecture {archs or hf_config.model_type!r} is not supported; "
                      f"supported: {', '.join(ARCHITECTURES)}")
@@ -118,7 +153,7 @@ def load_model(path: Path, hf_config, backend, dtype: torch.dtype, device: torch
     if load_format == "dummy":
         _init_random(model, seed)
     else:
-        model.load_weights(iter_weights(path, allow_pickle))
+        model.load_weights(language_model_weights(iter_weights(path, allow_pickle)))
     return model.eval()
 
 

@@ -22,6 +22,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3TextConfig,
     GenerationConfig,
     LlamaConfig,
     MistralConfig,
@@ -147,6 +148,19 @@ SHAPES: dict[str, dict[str, Any]] = {
         sliding_window=96, rms_norm_eps=1e-5, tie_word_embeddings=False,
         initializer_range=0.1,
     ),
+    # Gemma 3: sliding and full attention layers, each type with its own rope (linear
+    # scaling on the full ones), norms offset from 1 around both sublayers, q/k norm, a
+    # query scale that is not head_dim's, GELU, embeddings scaled by sqrt(hidden_size).
+    "test-gemma3": dict(
+        model_type="gemma3_text", hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, intermediate_size=192, vocab_size=1600,
+        max_position_embeddings=2048, query_pre_attn_scalar=48, sliding_window=48,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        rms_norm_eps=1e-6, tie_word_embeddings=True, initializer_range=0.15,
+    ),
 }
 
 CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
@@ -155,6 +169,7 @@ CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "qwen2": Qwen2Config,
     "qwen3": Qwen3Config,
     "phi3": Phi3Config,
+    "gemma3_text": Gemma3TextConfig,
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -281,8 +296,9 @@ def make_config(shape: str | Mapping[str, Any], *, vocab_size: int | None = None
     transformers' native form."""
     spec = resolve_shape(shape)
     config_class = CONFIG_CLASSES[spec.pop("model_type")]
-    rope_parameters = {"rope_type": "default", **(spec.pop("rope_scaling", None) or {}),
-                       "rope_theta": float(spec.pop("rope_theta", 10000.0))}
+    rope_parameters = spec.pop("rope_parameters", None) or {  # given per layer type as is
+        "rope_type": "default", **(spec.pop("rope_scaling", None) or {}),
+        "rope_theta": float(spec.pop("rope_theta", 10000.0))}
     if vocab_size is not None:
         spec["vocab_size"] = vocab_size
     config = config_class(**spec, rope_parameters=rope_parameters, bos_token_id=bos_token_id,

@@ -130,6 +130,43 @@ def test_fused_tensor_of_the_wrong_size(tmp_path, phi3_dir):
         LLM(model=str(model))
 
 
+@pytest.mark.parametrize("layout", ["language_model.model.", "model.language_model."])
+def test_vision_language_checkpoint_runs_its_text_decoder(tmp_path, gemma3_dir, layout):
+    # a Gemma 3 vision-language checkpoint (4B and up) holding test-gemma3's decoder under
+    # the prefix of older or newer transformers, beside vision tensors that are not loaded
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, Gemma3Config, SiglipVisionConfig
+    model = tmp_path / "vlm"
+    shutil.copytree(gemma3_dir, model)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=2, image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=AutoConfig.from_pretrained(gemma3_dir).to_dict(),
+                          vision_config=vision.to_dict())
+    config.architectures = ["Gemma3ForConditionalGeneration"]
+    config.save_pretrained(model)
+    weights = {layout + name.removeprefix("model."): t
+               for name, t in load_file(gemma3_dir / "model.safetensors").items()}
+    weights["vision_tower.vision_model.post_layernorm.weight"] = torch.ones(32)
+    weights["multi_modal_projector.mm_soft_emb_norm.weight"] = torch.ones(32)
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [[1, 40, 50, 60, 70], [1, 300, 301, 302, 303, 304, 305, 306]]
+    text_only = LLM(model=str(gemma3_dir)).generate(prompts, params)
+    llm = LLM(model=str(model))
+    assert llm.llm_engine.model_config.model_type == "gemma3_text"
+    got = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in text_only]
+
+
+def test_gemma2_soft_capping_is_refused(tmp_path, gemma3_dir):
+    model = shutil.copytree(gemma3_dir, tmp_path / "capped")
+    config = json.loads((model / "config.json").read_text())
+    config["attn_logit_softcapping"] = 50.0
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="attn_logit_softcapping is not supported"):
+        LLM(model=str(model))
+
+
 def test_dummy_weights_load_format(llama_dir):
     llm = LLM(model=str(llama_dir), load_format="dummy")
     outs = llm.generate(PROMPTS, GREEDY)
