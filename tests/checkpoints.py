@@ -26,6 +26,7 @@ CHECKPOINTS: dict[str, dict[str, Any]] = {
     "qwen2": dict(shape="test-qwen2"),
     "qwen3": dict(shape="test-qwen3"),
     "phi3": dict(shape="test-phi3"),
+    "phi4_mini": dict(shape="test-phi4-mini"),
     "gemma3": dict(shape="test-gemma3"),
     "llama_legacy_rope": dict(shape="test-llama", rope_style="legacy"),
     "llama_sharded": dict(shape="test-llama", max_shard_size="200KB"),

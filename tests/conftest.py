@@ -77,6 +77,11 @@ def phi3_dir(checkpoint_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def phi4_mini_dir(checkpoint_root: Path) -> Path:
+    return checkpoints.build_checkpoint("phi4_mini", checkpoint_root)
+
+
+@pytest.fixture(scope="session")
 def gemma3_dir(checkpoint_root: Path) -> Path:
     return checkpoints.build_checkpoint("gemma3", checkpoint_root)
 

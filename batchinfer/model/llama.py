@@ -17,7 +17,8 @@ from batchinfer.kernels import cpu_ops, cpu_rope
 from batchinfer.model import cpu_linear
 from batchinfer.model.parallel import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                                        RowParallelLinear, TensorParallel, VocabParallelEmbedding)
-from batchinfer.model.rope import RotaryEmbedding, apply_rotary, rope_parameters
+from batchinfer.model.rope import (RotaryEmbedding, apply_rotary, partial_rotary_order,
+                                   rope_parameters, rotary_dim)
 
 
 class RMSNorm(nn.Module):
@@ -77,9 +78,29 @@ class Attention(nn.Module):
         self.q_norm = arch.norm(self.head_dim, config.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = arch.norm(self.head_dim, config.rms_norm_eps) if arch.qk_norm else None
         self.sliding_window = arch.sliding_window(config, layer_idx)
+        # partial rotary embeddings: q and k heads are stored with their dimensions reordered
+        self.rotary_order = partial_rotary_order(
+            rotary_dim(rope_parameters(config, rope_key(config, layer_idx)), self.head_dim),
+            self.head_dim)
         self.backend = backend
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+
+    @torch.no_grad()
+    def reorder_rotary_dims(self) -> None:
+        """Store the q and k heads' dimensions in rotary_order (see rope.partial_rotary_order);
+        once, after the weights are loaded."""
+        if self.rotary_order is None:
+            return
+        order = torch.tensor(self.rotary_order, device=self.qkv_proj.weight.device)
+        heads = self.num_heads + self.num_kv_heads
+        rows = (torch.arange(heads, device=order.device)[:, None] * self.head_dim + order).flatten()
+        for param in (self.qkv_proj.weight, self.qkv_proj.bias):
+            if param is not None:  # rows of q, then k; v's stay
+                param.data[:len(rows)] = param.data[rows]
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                norm.weight.data = norm.weight.data[order]
 
     def forward(self, rope, hidden, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
@@ -263,6 +284,8 @@ class CausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+        for layer in self.model.layers:
+            layer.self_attn.reorder_rotary_dims()
 
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")

@@ -148,6 +148,17 @@ SHAPES: dict[str, dict[str, Any]] = {
         sliding_window=96, rms_norm_eps=1e-5, tie_word_embeddings=False,
         initializer_range=0.1,
     ),
+    # Phi-4-mini's partial rotary embeddings: 24 of each head's 32 dimensions rotate.
+    "test-phi4-mini": dict(
+        model_type="phi3", hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=256, vocab_size=1700,
+        max_position_embeddings=4096, original_max_position_embeddings=1024,
+        rope_theta=10000.0,
+        rope_scaling={"rope_type": "longrope", "partial_rotary_factor": 0.75,
+                      "short_factor": [1.0 + 0.25 * i for i in range(12)],
+                      "long_factor": [4.0] * 12},
+        rms_norm_eps=1e-5, tie_word_embeddings=True, initializer_range=0.1,
+    ),
     # Gemma 3: sliding and full attention layers, each type with its own rope (linear
     # scaling on the full ones), norms offset from 1 around both sublayers, q/k norm, a
     # query scale that is not head_dim's, GELU, embeddings scaled by sqrt(hidden_size).

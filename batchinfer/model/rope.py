@@ -26,9 +26,7 @@ def rope_parameters(config, layer_type: str = "full_attention") -> dict:
         raise ValueError(f"rope type {params['rope_type']!r} is not supported; "
                          f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        raise ValueError(f"partial_rotary_factor {partial} is not supported (only rotary "
-                         "embeddings over the whole head)")
+    params["partial_rotary_factor"] = 1.0 if partial is None else float(partial)
     if params["rope_type"] == "longrope":
         params.setdefault("original_max_position_embeddings",
                           getattr(config, "original_max_position_embeddings", None)
@@ -58,7 +56,30 @@ def attention_scaling(params: dict) -> float:
     return math.sqrt(1 + math.log(factor) / math.log(params["original_max_position_embeddings"]))
 
 
-def _inv_freq(params: dict, head_dim: int) -> torch.Tensor:
+def rotary_dim(params: dict, head_dim: int) -> int:
+    """How many leading dimensions of each head the rotation covers (partial_rotary_factor)."""
+    dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    if dim % 2 or not 0 < dim <= head_dim:
+        raise ValueError(f"partial_rotary_factor {params['partial_rotary_factor']} gives "
+                         f"{dim} rotated dimensions of head_dim {head_dim}; need an even number")
+    return dim
+
+
+def partial_rotary_order(rotary: int, head_dim: int) -> list[int] | None:
+    """For a rotation over the first `rotary` dimensions only: the order of a head's
+    dimensions that puts each rotated pair (i, i + rotary/2) at (j, j + head_dim/2), where
+    the full-width rotation pairs them, with the unrotated dimensions filling the rest (their
+    table entries are cos 1, sin 0, which leave them exactly as they are). q and k are
+    stored in this order; their dot products are the same sums. None when all rotate."""
+    if rotary == head_dim:
+        return None
+    half, rest = rotary // 2, head_dim - rotary
+    first = list(range(half)) + list(range(rotary, rotary + rest // 2))
+    second = list(range(half, rotary)) + list(range(rotary + rest // 2, head_dim))
+    return first + second
+
+
+def _rotated_inv_freq(params: dict, head_dim: int) -> torch.Tensor:
     base = params["rope_theta"]
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     kind = params["rope_type"]
@@ -66,8 +87,8 @@ def _inv_freq(params: dict, head_dim: int) -> torch.Tensor:
         # the short-context factors: positions stay below original_max_position_embeddings
         short = torch.tensor(params["short_factor"], dtype=torch.float32)
         if short.numel() != head_dim // 2:
-            raise ValueError(f"rope short_factor has {short.numel()} entries; head_dim "
-                             f"{head_dim} needs {head_dim // 2}")
+            raise ValueError(f"rope short_factor has {short.numel()} entries; {head_dim} "
+                             f"rotated dimensions need {head_dim // 2}")
         return 1.0 / (short * base ** exponents)
     inv_freq = 1.0 / (base ** exponents)
     if kind == "linear":
@@ -87,20 +108,26 @@ def _inv_freq(params: dict, head_dim: int) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotation (rotate halves), as the Llama family uses."""
+    """Neox-style rotation (rotate halves), as the Llama family uses. With a partial
+    rotation the table is laid out for partial_rotary_order's dimensions: the unrotated
+    ones get cos 1 and sin 0."""
 
     def __init__(self, head_dim: int, max_position: int, params: dict, dtype: torch.dtype):
         super().__init__()
-        inv_freq = _inv_freq(params, head_dim)
+        rotary = rotary_dim(params, head_dim)
+        inv_freq = _rotated_inv_freq(params, rotary)
         positions = torch.arange(max_position, dtype=torch.int64).float()
         freqs = positions[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = freqs.cos(), freqs.sin()
         scaling = attention_scaling(params)
         if scaling != 1.0:
             cos, sin = cos * scaling, sin * scaling
-        self.register_buffer("cos", cos.to(dtype), persistent=False)
-        self.register_buffer("sin", sin.to(dtype), persistent=False)
+        if rotary < head_dim:
+            kept = (head_dim - rotary) // 2
+            cos = torch.cat((cos, torch.ones(max_position, kept)), dim=-1)
+            sin = torch.cat((sin, torch.zeros(max_position, kept)), dim=-1)
+        self.register_buffer("cos", torch.cat((cos, cos), dim=-1).to(dtype), persistent=False)
+        self.register_buffer("sin", torch.cat((sin, sin), dim=-1).to(dtype), persistent=False)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for a batch's positions ([T, 1, D]), once per forward pass."""

@@ -107,17 +107,6 @@ def test_longrope_runs_within_its_short_context(phi3_dir):
         LLM(model=str(phi3_dir), max_model_len=2048)
 
 
-def test_partial_rotary_is_refused(tmp_path, phi3_dir):
-    model = shutil.copytree(phi3_dir, tmp_path / "partial")
-    config = json.loads((model / "config.json").read_text())
-    rope = config["rope_parameters"]
-    rope["partial_rotary_factor"] = 0.75  # 24 of head_dim 32 rotated: 12 factors
-    rope["short_factor"], rope["long_factor"] = rope["short_factor"][:12], rope["long_factor"][:12]
-    (model / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="partial_rotary_factor 0.75 is not supported"):
-        LLM(model=str(model))
-
-
 def test_fused_tensor_of_the_wrong_size(tmp_path, phi3_dir):
     from safetensors.torch import load_file, save_file
     model = shutil.copytree(phi3_dir, tmp_path / "cut")

@@ -40,7 +40,7 @@ def _run(llm: LLM) -> tuple[list, dict]:
     ("qwen2", dict(num_kv_blocks=64)),                     # q/k/v bias
     ("qwen3", dict(num_kv_blocks=64)),                     # q/k norm per head
     ("mistral", dict(num_kv_blocks=64)),                   # 64-token sliding window
-    ("phi3", dict(num_kv_blocks=64)),                      # fused q/k/v and gate/up tensors
+    ("phi4_mini", dict(num_kv_blocks=64)),                 # fused tensors, partial rotary
     ("gemma3", dict(num_kv_blocks=64)),                    # rope per layer type, sandwich norms
     ("llama", dict(num_kv_blocks=6, max_num_seqs=4)),      # preemption
 ])
