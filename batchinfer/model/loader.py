@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from batchinfer.model.llama import ARCHITECTURES, CausalLM
+from batchinfer.model.llama import ARCHITECTURES, CausalLM, GemmaRMSNorm
 
 
 def resolve_model_path(model: str) -> Path:
@@ -80,6 +80,10 @@ def language_model_config(hf_config):
         if arch in LANGUAGE_MODELS and getattr(hf_config, "text_config", None) is not None:
             text = hf_config.text_config
             text.architectures = [LANGUAGE_MODELS[arch]]
+            # the checkpoint's dtype and stop ids are set on the outer config only
+            for name in ("dtype", "eos_token_id"):
+                if getattr(hf_config, name, None) is not None:
+                    setattr(text, name, getattr(hf_config, name))
             return text
     return hf_config
 
@@ -162,8 +166,9 @@ def _init_random(model: CausalLM, seed: int) -> None:
     device (on one CPU thread, an 8B model's draws alone take about 45 s)."""
     gens: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
-            param.data.fill_(1.0)
+        if name.endswith("norm.weight"):  # unit scale (Gemma's norms store an offset from 1)
+            norm = model.get_submodule(name.rsplit(".", 1)[0])
+            param.data.fill_(0.0 if isinstance(norm, GemmaRMSNorm) else 1.0)
         elif name.endswith("bias"):
             param.data.zero_()
         else:

@@ -129,10 +129,14 @@ def test_vision_language_checkpoint_runs_its_text_decoder(tmp_path, gemma3_dir, 
     shutil.copytree(gemma3_dir, model)
     vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                 num_attention_heads=2, image_size=28, patch_size=14)
-    config = Gemma3Config(text_config=AutoConfig.from_pretrained(gemma3_dir).to_dict(),
-                          vision_config=vision.to_dict())
+    text_config = AutoConfig.from_pretrained(gemma3_dir).to_dict()
+    del text_config["dtype"], text_config["eos_token_id"]  # hub files set them outside only
+    config = Gemma3Config(text_config=text_config, vision_config=vision.to_dict(),
+                          eos_token_id=[5, 7])
     config.architectures = ["Gemma3ForConditionalGeneration"]
+    config.dtype = "bfloat16"
     config.save_pretrained(model)
+    (model / "generation_config.json").unlink()
     weights = {layout + name.removeprefix("model."): t
                for name, t in load_file(gemma3_dir / "model.safetensors").items()}
     weights["vision_tower.vision_model.post_layernorm.weight"] = torch.ones(32)
@@ -140,9 +144,11 @@ def test_vision_language_checkpoint_runs_its_text_decoder(tmp_path, gemma3_dir, 
     save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = [[1, 40, 50, 60, 70], [1, 300, 301, 302, 303, 304, 305, 306]]
-    text_only = LLM(model=str(gemma3_dir)).generate(prompts, params)
+    text_only = LLM(model=str(gemma3_dir), dtype="bfloat16").generate(prompts, params)
     llm = LLM(model=str(model))
     assert llm.llm_engine.model_config.model_type == "gemma3_text"
+    assert llm.llm_engine.dtype == torch.bfloat16  # the outer config's, under dtype "auto"
+    assert {5, 7} <= llm.llm_engine.eos_token_ids
     got = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in text_only]
 
