@@ -28,6 +28,8 @@ CHECKPOINTS: dict[str, dict[str, Any]] = {
     "phi3": dict(shape="test-phi3"),
     "phi4_mini": dict(shape="test-phi4-mini"),
     "gemma3": dict(shape="test-gemma3"),
+    "mixtral": dict(shape="test-mixtral"),
+    "qwen3_moe": dict(shape="test-qwen3-moe"),
     "llama_legacy_rope": dict(shape="test-llama", rope_style="legacy"),
     "llama_sharded": dict(shape="test-llama", max_shard_size="200KB"),
 }

@@ -87,6 +87,16 @@ def gemma3_dir(checkpoint_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def mixtral_dir(checkpoint_root: Path) -> Path:
+    return checkpoints.build_checkpoint("mixtral", checkpoint_root)
+
+
+@pytest.fixture(scope="session")
+def qwen3_moe_dir(checkpoint_root: Path) -> Path:
+    return checkpoints.build_checkpoint("qwen3_moe", checkpoint_root)
+
+
+@pytest.fixture(scope="session")
 def llama_legacy_rope_dir(checkpoint_root: Path) -> Path:
     return checkpoints.build_checkpoint("llama_legacy_rope", checkpoint_root)
 

@@ -64,9 +64,15 @@ class ModelShape:
     def from_config(cls, config) -> "ModelShape":
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        mlp_width = config.intermediate_size
+        if getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None):
+            # mixture of experts: the experts a token runs through (Mixtral's experts are
+            # intermediate_size wide, Qwen3-MoE's moe_intermediate_size)
+            expert = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+            mlp_width = config.num_experts_per_tok * expert
         return cls(config.num_hidden_layers, config.hidden_size, heads,
                    getattr(config, "num_key_value_heads", None) or heads, head_dim,
-                   config.intermediate_size, config.vocab_size)
+                   mlp_width, config.vocab_size)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes

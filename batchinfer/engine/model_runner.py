@@ -88,7 +88,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.num_graph_steps = 0
         if (device.type == "cuda" and not config.enforce_eager and self.backend.name == "triton"
-                and TensorParallel.size == 1):
+                and TensorParallel.size == 1 and self.model.graph_safe):
             self.graphs = self.build_decode_graphs()
 
     def build_decode_graphs(self, capture: bool = True) -> DecodeGraphs:

@@ -62,7 +62,8 @@ class RunnerArgs:
 
 def check_divisible(hf_config, size: int) -> None:
     """A clear error before any process starts when the model cannot be split size ways."""
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size",
+                 "moe_intermediate_size"):
         n = getattr(hf_config, name, None) or getattr(hf_config, "num_attention_heads")
         if n % size:
             raise ValueError(f"tensor_parallel_size {size} does not divide the model's {name} "

@@ -1,5 +1,5 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3) as plain
-PyTorch.
+"""The Llama-family decoder (Llama 2/3, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Phi-3,
+Gemma 3) as plain PyTorch.
 
 Tokens are flat ([num_tokens, hidden]) with no padding; attention reads and writes the
 paged KV cache through the step's AttentionMetadata.
@@ -15,6 +15,7 @@ from torch import nn
 from batchinfer.attention import AttentionMetadata
 from batchinfer.kernels import cpu_ops, cpu_rope
 from batchinfer.model import cpu_linear
+from batchinfer.model.moe import EXPERT_TENSOR, SparseMoE, mixtral_name, moe_block
 from batchinfer.model.parallel import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                                        RowParallelLinear, TensorParallel, VocabParallelEmbedding)
 from batchinfer.model.rope import (RotaryEmbedding, apply_rotary, partial_rotary_order,
@@ -167,7 +168,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, arch, backend, dtype):
         super().__init__()
         self.self_attn = Attention(config, layer_idx, arch, backend, dtype)
-        self.mlp = MLP(config)
+        self.mlp = moe_block(config, layer_idx) or MLP(config)
         self.input_layernorm = arch.norm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = arch.norm(config.hidden_size, config.rms_norm_eps)
         self.rope_key = rope_key(config, layer_idx)
@@ -239,6 +240,12 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
             self.lm_head.tied = True
 
+    @property
+    def graph_safe(self) -> bool:
+        """Whether a forward pass can be captured in a CUDA graph (MoE blocks read their
+        expert counts on the host)."""
+        return not any(isinstance(layer.mlp, SparseMoE) for layer in self.model.layers)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         hidden, residual = self.model.embed(input_ids), None
@@ -257,10 +264,21 @@ class CausalLM(nn.Module):
         loaded: set[str] = set()
         fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                  "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        experts: dict[str, SparseMoE] = {}
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            name = mixtral_name(name)
+            expert = EXPERT_TENSOR.fullmatch(name)
+            if expert is not None:
+                block = self.get_submodule(expert.group(1))
+                if not isinstance(block, SparseMoE):
+                    raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+                block.load_expert(int(expert.group(2)), expert.group(3), tensor.to(block.w13.dtype))
+                experts[expert.group(1)] = block
+                loaded.update((f"{expert.group(1)}.w13", f"{expert.group(1)}.w2"))
                 continue
             shard_id = None  # a part of a fused parameter, or (None) a whole parameter
             parts = name.split(".")
@@ -282,6 +300,8 @@ class CausalLM(nn.Module):
             loaded.add(name)
         expected = {n for n in params if not (self.tie_word_embeddings and n == "lm_head.weight")}
         missing = sorted(expected - loaded)
+        missing += [f"{name}: {what}" for name, block in experts.items()
+                    for what in block.missing_experts()]
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
         for layer in self.model.layers:
@@ -339,6 +359,9 @@ ARCHITECTURES = {
     "MistralForCausalLM": ArchSpec(sliding="all"),
     "Qwen2ForCausalLM": ArchSpec(qkv_bias=True, sliding="layer_types"),
     "Qwen3ForCausalLM": ArchSpec(qk_norm=True, sliding="layer_types"),
+    # mixtures of experts (batchinfer.model.moe)
+    "MixtralForCausalLM": ArchSpec(sliding="all"),
+    "Qwen3MoeForCausalLM": ArchSpec(qk_norm=True, sliding="layer_types"),
     # q/k/v and gate/up stored fused; a sliding window on every layer when one is set
     "Phi3ForCausalLM": ArchSpec(sliding="all"),
     # q/k norm, sliding and full attention layers with rope of their own, GELU

@@ -105,7 +105,8 @@ def architecture(hf_config) -> str:
     archs = getattr(hf_config, "architectures", None) or []
     by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-               "phi3": "Phi3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+               "phi3": "Phi3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+               "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
     for arch in archs or [by_type.get(getattr(hf_config, "model_type", ""), "")]:
         if arch in ARCHITECTURES:
             ARCHITECTURES[arch].check(hf_config)

@@ -26,11 +26,13 @@ from transformers import (
     GenerationConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     PretrainedConfig,
     Phi3Config,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -159,6 +161,23 @@ SHAPES: dict[str, dict[str, Any]] = {
                       "long_factor": [4.0] * 12},
         rms_norm_eps=1e-5, tie_word_embeddings=True, initializer_range=0.1,
     ),
+    # Mixtures of experts: Mixtral (top-2 of 4, weights renormalised, float32 routing
+    # weights) and Qwen3-MoE (top-2 of 8, q/k norm, a dense layer between sparse ones).
+    "test-mixtral": dict(
+        model_type="mixtral", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=96, num_local_experts=4,
+        num_experts_per_tok=2, vocab_size=1300, max_position_embeddings=2048,
+        rope_theta=1000000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        initializer_range=0.15,
+    ),
+    "test-qwen3-moe": dict(
+        model_type="qwen3_moe", hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, intermediate_size=192, moe_intermediate_size=48,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[1], vocab_size=1400, max_position_embeddings=2048,
+        rope_theta=1000000.0, use_sliding_window=False, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, initializer_range=0.15,
+    ),
     # Gemma 3: sliding and full attention layers, each type with its own rope (linear
     # scaling on the full ones), norms offset from 1 around both sublayers, q/k norm, a
     # query scale that is not head_dim's, GELU, embeddings scaled by sqrt(hidden_size).
@@ -181,6 +200,8 @@ CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "qwen3": Qwen3Config,
     "phi3": Phi3Config,
     "gemma3_text": Gemma3TextConfig,
+    "mixtral": MixtralConfig,
+    "qwen3_moe": Qwen3MoeConfig,
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -67,3 +67,14 @@ def test_a_failed_baseline_is_reported_not_raised():
     lines = summary_lines(s)
     assert lines[-1].endswith("failed, left out (AttributeError: no page_size)")
     assert not any(line.startswith(("Decode bandwidth", "Prefill:")) for line in lines)
+
+
+def test_moe_shapes_count_the_experts_a_token_runs_through():
+    from transformers import MixtralConfig, Qwen3MoeConfig
+    mixtral = MixtralConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=96, num_local_experts=8, num_experts_per_tok=2)
+    qwen = Qwen3MoeConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                          intermediate_size=192, moe_intermediate_size=48, num_experts=8,
+                          num_experts_per_tok=3)
+    assert ModelShape.from_config(mixtral).intermediate_size == 2 * 96
+    assert ModelShape.from_config(qwen).intermediate_size == 3 * 48

@@ -39,7 +39,8 @@ def _check(model_dir, **engine_args) -> LLM:
 
 
 @pytest.mark.parametrize("fixture", ["llama_dir", "mistral_dir", "qwen2_dir", "qwen3_dir",
-                                     "phi3_dir", "phi4_mini_dir", "gemma3_dir"])
+                                     "phi3_dir", "phi4_mini_dir", "gemma3_dir", "mixtral_dir",
+                                     "qwen3_moe_dir"])
 def test_matches_transformers(fixture, request):
     model_dir = request.getfixturevalue(fixture)
     llm = _check(model_dir)

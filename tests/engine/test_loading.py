@@ -162,6 +162,22 @@ def test_gemma2_soft_capping_is_refused(tmp_path, gemma3_dir):
         LLM(model=str(model))
 
 
+def test_moe_checkpoint_missing_an_expert(tmp_path, qwen3_moe_dir):
+    from safetensors.torch import load_file, save_file
+    model = shutil.copytree(qwen3_moe_dir, tmp_path / "cut")
+    weights = load_file(model / "model.safetensors")
+    del weights["model.layers.2.mlp.experts.5.up_proj.weight"]
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing 1 tensors.*model.layers.2.mlp: expert 5 up_proj"):
+        LLM(model=str(model))
+
+
+def test_moe_models_decode_without_cuda_graphs(mixtral_dir, llama_dir):
+    # the expert loop reads token counts on the host: no graph capture for MoE models
+    assert not LLM(model=str(mixtral_dir)).llm_engine.model_runner.model.graph_safe
+    assert LLM(model=str(llama_dir)).llm_engine.model_runner.model.graph_safe
+
+
 def test_dummy_weights_load_format(llama_dir):
     llm = LLM(model=str(llama_dir), load_format="dummy")
     outs = llm.generate(PROMPTS, GREEDY)

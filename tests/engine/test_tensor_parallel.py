@@ -42,6 +42,7 @@ def _run(llm: LLM) -> tuple[list, dict]:
     ("mistral", dict(num_kv_blocks=64)),                   # 64-token sliding window
     ("phi4_mini", dict(num_kv_blocks=64)),                 # fused tensors, partial rotary
     ("gemma3", dict(num_kv_blocks=64)),                    # rope per layer type, sandwich norms
+    ("qwen3_moe", dict(num_kv_blocks=64)),                 # experts split, a dense layer
     ("llama", dict(num_kv_blocks=6, max_num_seqs=4)),      # preemption
 ])
 def test_two_ranks_match_one(request, model, kwargs):

@@ -1,0 +1,123 @@
+"""Sparse mixture-of-experts feed-forward blocks (Mixtral, Qwen3-MoE).
+
+A router picks each token's top-k experts; each expert is a SiLU-gated MLP. Tokens are
+grouped by expert (one sort), and each expert that received tokens runs two products on
+just those rows; its outputs, scaled by the routing weights, are added into the result in
+ascending expert order, as transformers does, so float32 results match its sums. With
+tensor parallelism every rank holds a slice of every expert's intermediate dimension and
+the partial results are summed by one all-reduce per layer.
+
+The expert loop reads the per-expert token counts on the host, so MoE models run their
+decode steps without CUDA graphs.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchinfer.model.parallel import TensorParallel, _check_divisible, _shard
+
+# a checkpoint's per-expert tensor: (block).experts.(e).(projection).weight
+EXPERT_TENSOR = re.compile(r"(.+)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+class Router(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 normalize: bool, weights_in_model_dtype: bool):
+        super().__init__()
+        _check_divisible(intermediate_size, "expert intermediate size")
+        self.num_experts, self.top_k, self.normalize = num_experts, top_k, normalize
+        # Qwen3-MoE rounds the routing weights to the model's dtype; Mixtral keeps float32
+        self.weights_in_model_dtype = weights_in_model_dtype
+        self.intermediate = intermediate_size // TensorParallel.size
+        self.gate = Router(num_experts, hidden_size)
+        # per expert: [gate; up] rows, and down
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate, hidden_size),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate),
+                               requires_grad=False)
+        self.loaded: set[tuple[int, str]] = set()
+
+    def load_expert(self, expert: int, projection: str, loaded: torch.Tensor) -> None:
+        """One expert's gate_proj, up_proj or down_proj, as the checkpoint holds it."""
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"checkpoint has expert {expert}; the config has {self.num_experts}")
+        n = self.intermediate
+        if projection == "down_proj":
+            self.w2.data[expert].copy_(_shard(loaded, 1))
+        else:
+            rows = slice(0, n) if projection == "gate_proj" else slice(n, 2 * n)
+            self.w13.data[expert, rows].copy_(_shard(loaded, 0))
+        self.loaded.add((expert, projection))
+
+    def missing_experts(self) -> list[str]:
+        return [f"expert {e} {p}" for e in range(self.num_experts)
+                for p in ("gate_proj", "up_proj", "down_proj") if (e, p) not in self.loaded]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x, self.gate.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        if self.weights_in_model_dtype:
+            weights = weights.to(x.dtype)
+        # the (token, choice) pairs grouped by expert
+        flat = experts.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tokens = order // self.top_k
+        pair_weights = weights.flatten()[order]
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = tokens[start:start + count]
+            gate, up = F.linear(x[rows], self.w13[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.w2[expert])
+            y = y * pair_weights[start:start + count, None]
+            out.index_add_(0, rows, y.to(out.dtype))
+            start += count
+        return TensorParallel.all_reduce(out)
+
+
+def moe_block(config, layer_idx: int) -> SparseMoE | None:
+    """The layer's MoE block, or None where the layer has a dense MLP (Qwen3-MoE's
+    mlp_only_layers and decoder_sparse_step)."""
+    if getattr(config, "moe_intermediate_size", None) is None:
+        if not getattr(config, "num_local_experts", None):
+            return None
+        return SparseMoE(config.hidden_size, config.intermediate_size,  # Mixtral
+                         config.num_local_experts, config.num_experts_per_tok,
+                         normalize=True, weights_in_model_dtype=False)
+    num_experts = getattr(config, "num_experts", 0) or 0
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    if (num_experts == 0 or layer_idx in (getattr(config, "mlp_only_layers", None) or [])
+            or (layer_idx + 1) % step):
+        return None
+    return SparseMoE(config.hidden_size, config.moe_intermediate_size, num_experts,
+                     config.num_experts_per_tok, normalize=bool(config.norm_topk_prob),
+                     weights_in_model_dtype=True)
+
+
+# Mixtral's checkpoint names for the block and its projections
+MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.weight", ".gate_proj.weight"),
+                 (".w3.weight", ".up_proj.weight"), (".w2.weight", ".down_proj.weight"))
+
+
+def mixtral_name(name: str) -> str:
+    if ".block_sparse_moe." not in name:
+        return name
+    for old, new in MIXTRAL_NAMES:
+        name = name.replace(old, new)
+    return name
