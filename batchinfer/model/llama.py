@@ -242,9 +242,10 @@ class CausalLM(nn.Module):
 
     @property
     def graph_safe(self) -> bool:
-        """Whether a forward pass can be captured in a CUDA graph (MoE blocks read their
-        expert counts on the host)."""
-        return not any(isinstance(layer.mlp, SparseMoE) for layer in self.model.layers)
+        """Whether a forward pass can be captured in a CUDA graph: not where MoE blocks
+        loop over their experts, reading the counts on the host."""
+        return all(layer.mlp.fused(self.model.norm.weight) for layer in self.model.layers
+                   if isinstance(layer.mlp, SparseMoE))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

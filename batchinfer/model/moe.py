@@ -7,8 +7,10 @@ ascending expert order, as transformers does, so float32 results match its sums.
 tensor parallelism every rank holds a slice of every expert's intermediate dimension and
 the partial results are summed by one all-reduce per layer.
 
-The expert loop reads the per-expert token counts on the host, so MoE models run their
-decode steps without CUDA graphs.
+On CUDA the experts run as two grouped Triton products (kernels/fused_moe.py) planned
+without host synchronisation, so decode steps are captured in CUDA graphs. Elsewhere a loop
+over the experts that received tokens runs; it reads the per-expert token counts on the
+host.
 """
 from __future__ import annotations
 
@@ -46,6 +48,8 @@ class SparseMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate),
                                requires_grad=False)
         self.loaded: set[tuple[int, str]] = set()
+        # the grouped Triton products: on CUDA (None: decided by the device)
+        self.use_fused: bool | None = None
 
     def load_expert(self, expert: int, projection: str, loaded: torch.Tensor) -> None:
         """One expert's gate_proj, up_proj or down_proj, as the checkpoint holds it."""
@@ -71,6 +75,10 @@ class SparseMoE(nn.Module):
             weights /= weights.sum(dim=-1, keepdim=True)
         if self.weights_in_model_dtype:
             weights = weights.to(x.dtype)
+        if self.fused(x):
+            from batchinfer.kernels.fused_moe import fused_moe
+            out = fused_moe(x, self.w13, self.w2, experts, weights, self.weights_in_model_dtype)
+            return TensorParallel.all_reduce(out)
         # the (token, choice) pairs grouped by expert
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)
@@ -89,6 +97,10 @@ class SparseMoE(nn.Module):
             out.index_add_(0, rows, y.to(out.dtype))
             start += count
         return TensorParallel.all_reduce(out)
+
+
+    def fused(self, x: torch.Tensor) -> bool:
+        return x.is_cuda if self.use_fused is None else self.use_fused
 
 
 def moe_block(config, layer_idx: int) -> SparseMoE | None:

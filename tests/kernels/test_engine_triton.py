@@ -41,3 +41,22 @@ def test_greedy_generation_matches_torch_backend(model_dir):
     assert triton_cached == torch_cached
     assert triton_cached[1] >= 40  # prefix-cache hit: the shared prefix's full blocks
     assert triton_stats["prefix_cache_hit_tokens"] == torch_stats["prefix_cache_hit_tokens"] > 0
+
+
+@pytest.mark.parametrize("model", ["mixtral", "qwen3_moe"])
+def test_moe_models_with_the_grouped_kernels_match_the_expert_loop(request, model):
+    """The fused MoE products (what CUDA runs), interpreted, give the expert loop's tokens."""
+    from batchinfer.model.moe import SparseMoE
+    path = str(request.getfixturevalue(f"{model}_dir"))
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (5, 23, 40)]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(model=path).generate(prompts, params)]
+    llm = LLM(model=path)
+    model_ = llm.llm_engine.model_runner.model
+    blocks = [layer.mlp for layer in model_.model.layers if isinstance(layer.mlp, SparseMoE)]
+    assert blocks and not model_.graph_safe
+    for block in blocks:
+        block.use_fused = True
+    assert model_.graph_safe
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
