@@ -6,7 +6,7 @@ import torch
 
 from batchinfer.bench.engine_run import EngineRun
 from batchinfer.bench.hf_baseline import BaselineRun
-from batchinfer.bench.roofline import DevicePeak, ModelShape
+from batchinfer.bench.roofline import DevicePeak, ModelShape, WeightBytes
 
 
 def throughput_line(num_requests: int, total_tokens: int, output_tokens: int,
@@ -42,7 +42,7 @@ def _peak_slot_utilization(run: EngineRun, block_size: int) -> tuple[float | Non
     return peak.tokens_held / (peak.blocks_in_use * block_size), peak.blocks_in_use
 
 
-def _decode_bandwidth(run: EngineRun, shape: ModelShape, weight_bytes: int,
+def _decode_bandwidth(run: EngineRun, shape: ModelShape, weight_bytes: WeightBytes,
                       kv_dtype_bytes: int) -> float | None:
     """Bytes read by pure-decode steps / their time. A step reads the state left by the
     step before it: every running sequence's context plus its new token."""
@@ -51,7 +51,8 @@ def _decode_bandwidth(run: EngineRun, shape: ModelShape, weight_bytes: int,
     for prev, step in zip(run.steps, run.steps[1:]):
         if step.prefill_tokens or not prev.num_running:
             continue
-        total_bytes += weight_bytes + per_token * (prev.context_tokens + prev.num_running)
+        total_bytes += (weight_bytes.read_by(prev.num_running)
+                        + per_token * (prev.context_tokens + prev.num_running))
         total_s += step.duration_s
     return total_bytes / total_s if total_s else None
 
@@ -67,7 +68,7 @@ def _prefill_flops_per_s(run: EngineRun, shape: ModelShape) -> float | None:
 
 
 def engine_summary(run: EngineRun, *, block_size: int, num_kv_blocks: int | None,
-                   shape: ModelShape, weight_bytes: int, dtype: torch.dtype,
+                   shape: ModelShape, weight_bytes: WeightBytes, dtype: torch.dtype,
                    peak: DevicePeak | None) -> dict:
     summary = throughput_fields(len(run.prompt_lens), run.prompt_tokens, run.output_tokens,
                                 run.elapsed_s)

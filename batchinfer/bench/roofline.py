@@ -99,13 +99,38 @@ class ModelShape:
         return new * self.linear_flops_per_token() + attention + self.logits_flops()
 
 
+@dataclass(frozen=True)
+class WeightBytes:
+    """The weights a decode step reads: all of the dense ones, and of a mixture of
+    experts' expert weights the share its router sends the batch to."""
+    dense: int
+    experts: int = 0       # every expert of every MoE layer
+    num_experts: int = 1
+    top_k: int = 0
+
+    def read_by(self, batch: int) -> float:
+        """Bytes for a step of `batch` sequences; with experts, the expected share of them
+        hit when each token picks top_k of num_experts uniformly."""
+        if not self.experts:
+            return float(self.dense)
+        hit = 1.0 - (1.0 - self.top_k / self.num_experts) ** batch
+        return self.dense + self.experts * hit
+
+
 def weight_bytes_read_per_step(model: torch.nn.Module, shape: ModelShape,
-                               tied_embeddings: bool) -> int:
+                               tied_embeddings: bool) -> WeightBytes:
     """Bytes of weights a decode step reads: every parameter and every weight packed for
     oneDNN (those are not parameters), except the input embedding table unless the LM head
-    reads it (tied and not packed); only the batch's rows are gathered from it."""
+    reads it (tied and not packed); only the batch's rows are gathered from it. Expert
+    weights are counted apart (WeightBytes.read_by)."""
+    from batchinfer.model.moe import SparseMoE
     total = cpu_linear.packed_bytes(model)
-    elem = 0
+    elem = experts = num_experts = top_k = 0
+    for module in model.modules():
+        if isinstance(module, SparseMoE):
+            experts += sum(p.numel() * p.element_size() for p in (module.w13, module.w2))
+            num_experts, top_k = module.num_experts, module.top_k
+    total -= experts
     for p in model.parameters():
         total += p.numel() * p.element_size()
         elem = p.element_size()
@@ -114,4 +139,4 @@ def weight_bytes_read_per_step(model: torch.nn.Module, shape: ModelShape,
         # this rank's table: a tensor-parallel rank holds a slice of the vocabulary
         table = getattr(getattr(getattr(model, "model", None), "embed_tokens", None), "weight", None)
         total -= (table.numel() if table is not None else shape.vocab_size * shape.hidden_size) * elem
-    return total
+    return WeightBytes(total, experts, max(num_experts, 1), top_k)

@@ -2,8 +2,9 @@
 
 A router picks each token's top-k experts; each expert is a SiLU-gated MLP. Tokens are
 grouped by expert (one sort), and each expert that received tokens runs two products on
-just those rows; its outputs, scaled by the routing weights, are added into the result in
-ascending expert order, as transformers does, so float32 results match its sums. With
+just those rows; the outputs, scaled by the routing weights, are added into the result in
+ascending expert order, as transformers' eager experts do, so float32 results match its
+sums. With
 tensor parallelism every rank holds a slice of every expert's intermediate dimension and
 the partial results are summed by one all-reduce per layer.
 
@@ -14,6 +15,9 @@ host.
 """
 from __future__ import annotations
 
+import functools
+import importlib.util
+import itertools
 import re
 
 import torch
@@ -79,28 +83,33 @@ class SparseMoE(nn.Module):
             from batchinfer.kernels.fused_moe import fused_moe
             out = fused_moe(x, self.w13, self.w2, experts, weights, self.weights_in_model_dtype)
             return TensorParallel.all_reduce(out)
-        # the (token, choice) pairs grouped by expert
+        # the (token, choice) pairs grouped by expert; the per-expert work is the products
+        # alone, and everything else runs once over all pairs
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         tokens = order // self.top_k
-        pair_weights = weights.flatten()[order]
-        out = torch.zeros_like(x)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = tokens[start:start + count]
-            gate, up = F.linear(x[rows], self.w13[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.w2[expert])
-            y = y * pair_weights[start:start + count, None]
-            out.index_add_(0, rows, y.to(out.dtype))
-            start += count
+        rows = x.index_select(0, tokens)
+        ends = list(itertools.accumulate(counts))
+        spans = [(e, end - n, end) for e, (n, end) in enumerate(zip(counts, ends)) if n]
+        gate_up = torch.cat([F.linear(rows[a:b], self.w13[e]) for e, a, b in spans])
+        h = F.silu(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:]
+        y = torch.cat([F.linear(h[a:b], self.w2[e]) for e, a, b in spans])
+        y = y * weights.flatten()[order, None]
+        # rows in expert order: each token's choices are added in ascending expert order
+        out = torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))
         return TensorParallel.all_reduce(out)
 
 
     def fused(self, x: torch.Tensor) -> bool:
-        return x.is_cuda if self.use_fused is None else self.use_fused
+        if self.use_fused is not None:
+            return self.use_fused
+        return x.is_cuda and _triton_installed()
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def moe_block(config, layer_idx: int) -> SparseMoE | None:

@@ -105,6 +105,29 @@ SHAPES: dict[str, dict[str, Any]] = {
         rope_scaling=_LLAMA3_ROPE_SCALING, rms_norm_eps=1e-5, tie_word_embeddings=False,
         initializer_range=0.02,
     ),
+    # tiny's attention with a Qwen3-MoE feed-forward whose active width equals tiny's
+    # (4 of 16 experts, 172 wide each): MoE routing and expert costs beside the dense shape
+    "tiny-moe": dict(
+        model_type="qwen3_moe", hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=32, intermediate_size=688, moe_intermediate_size=172,
+        num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, vocab_size=8192,
+        max_position_embeddings=4096, rope_theta=500000.0, rms_norm_eps=1e-5,
+        use_sliding_window=False, tie_word_embeddings=False, initializer_range=0.08,
+    ),
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936,
+        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        use_sliding_window=False, tie_word_embeddings=False, initializer_range=0.02,
+    ),
+    "mixtral-8x7b": dict(
+        model_type="mixtral", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, intermediate_size=14336, num_local_experts=8,
+        num_experts_per_tok=2, vocab_size=32000, max_position_embeddings=32768,
+        rope_theta=1000000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        initializer_range=0.02,
+    ),
     # GQA, llama3 rope scaling whose three frequency bands all occur at head_dim 32,
     # tied embeddings, and a head_dim that is not hidden_size / num_attention_heads.
     "test-llama": dict(

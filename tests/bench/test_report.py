@@ -6,7 +6,7 @@ import torch
 
 from batchinfer.bench.engine_run import EngineRun, StepSample
 from batchinfer.bench.report import engine_summary, summary_lines
-from batchinfer.bench.roofline import DevicePeak, ModelShape
+from batchinfer.bench.roofline import DevicePeak, ModelShape, WeightBytes
 
 SHAPE = ModelShape(num_layers=2, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4,
                    intermediate_size=16, vocab_size=10)
@@ -33,7 +33,7 @@ def make_run() -> EngineRun:
 
 def test_summary_without_a_known_device():
     s = engine_summary(make_run(), block_size=16, num_kv_blocks=8, shape=SHAPE,
-                       weight_bytes=1000, dtype=torch.float32, peak=None)
+                       weight_bytes=WeightBytes(1000), dtype=torch.float32, peak=None)
     assert s["tokens_per_second"] == 46 and s["output_tokens_per_second"] == 6
     assert s["prefix_cache_hit_rate"] == pytest.approx(0.4)
     assert s["prefill_tokens_computed"] == 24 and s["cached_prompt_tokens"] == 16
@@ -48,7 +48,7 @@ def test_summary_without_a_known_device():
 def test_bandwidth_and_mfu_against_a_peak():
     peak = DevicePeak("test", flops_per_s=1e6, bytes_per_s=1e4)
     s = engine_summary(make_run(), block_size=16, num_kv_blocks=8, shape=SHAPE,
-                       weight_bytes=1000, dtype=torch.float32, peak=peak)
+                       weight_bytes=WeightBytes(1000), dtype=torch.float32, peak=peak)
     kv = SHAPE.kv_bytes_per_token(4)
     read = (1000 + kv * (40 + 2)) + (1000 + kv * (42 + 2))
     assert s["decode_bandwidth_gb_per_s"] == pytest.approx(read / 0.5 / 1e9)
@@ -62,7 +62,7 @@ def test_bandwidth_and_mfu_against_a_peak():
 
 def test_a_failed_baseline_is_reported_not_raised():
     s = engine_summary(make_run(), block_size=16, num_kv_blocks=8, shape=SHAPE,
-                       weight_bytes=1000, dtype=torch.float32, peak=None)
+                       weight_bytes=WeightBytes(1000), dtype=torch.float32, peak=None)
     s["baselines"] = {"hf_cb": {"error": "AttributeError: no page_size"}}
     lines = summary_lines(s)
     assert lines[-1].endswith("failed, left out (AttributeError: no page_size)")
@@ -78,3 +78,11 @@ def test_moe_shapes_count_the_experts_a_token_runs_through():
                           num_experts_per_tok=3)
     assert ModelShape.from_config(mixtral).intermediate_size == 2 * 96
     assert ModelShape.from_config(qwen).intermediate_size == 3 * 48
+
+
+def test_moe_decode_reads_the_share_of_experts_a_batch_hits():
+    w = WeightBytes(dense=100, experts=1600, num_experts=16, top_k=2)
+    assert w.read_by(1) == pytest.approx(100 + 1600 * 2 / 16)
+    assert w.read_by(0) == 100
+    assert 100 + 1600 * 0.99 < w.read_by(64) < 1700     # a large batch reaches every expert
+    assert WeightBytes(dense=100).read_by(64) == 100

@@ -51,8 +51,9 @@ def test_moe_models_with_the_grouped_kernels_match_the_expert_loop(request, mode
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (5, 23, 40)]
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in LLM(model=path).generate(prompts, params)]
-    llm = LLM(model=path)
+    loop = LLM(model=path, device="cpu")
+    expected = [o.outputs[0].token_ids for o in loop.generate(prompts, params)]
+    llm = LLM(model=path, device="cpu")
     model_ = llm.llm_engine.model_runner.model
     blocks = [layer.mlp for layer in model_.model.layers if isinstance(layer.mlp, SparseMoE)]
     assert blocks and not model_.graph_safe
