@@ -46,10 +46,19 @@ class LLM:
         return self._run(ids, use_tqdm)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = False,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"} dicts) or a list of them."""
+             add_generation_prompt: bool = True, *, chat_template: str | None = None,
+             chat_template_kwargs: dict | None = None,
+             continue_final_message: bool = False) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of them.
+        `chat_template` replaces the tokenizer's template (Jinja text);
+        `chat_template_kwargs` are extra template variables, such as
+        {"enable_thinking": False}; `continue_final_message` continues the last message
+        (pass add_generation_prompt=False with it)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.llm_engine.render_chat(c, add_generation_prompt) for c in conversations]
+        prompts = [self.llm_engine.render_chat(
+            c, add_generation_prompt, chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs,
+            continue_final_message=continue_final_message) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

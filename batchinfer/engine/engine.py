@@ -329,17 +329,55 @@ class LLMEngine:
             "max_model_len": self.max_model_len,
         }
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation through the tokenizer's chat template."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                    chat_template: str | None = None,
+                    chat_template_kwargs: dict | None = None,
+                    continue_final_message: bool = False) -> list[int]:
+        """Token ids of a conversation through the tokenizer's chat template (or the given
+        Jinja `chat_template`), with `chat_template_kwargs` as extra template variables
+        (e.g. {"enable_thinking": False} for Qwen3). `continue_final_message` leaves the
+        last message open for the model to continue, instead of starting a new turn."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
         messages = [_text_message(m) for m in messages]
-        if not getattr(self.tokenizer, "chat_template", None):
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("the model's tokenizer has no chat template")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+        kwargs = check_chat_template_kwargs(chat_template_kwargs)
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be "
+                             "set: the last message is either continued or answered")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, chat_template=chat_template,
+                **kwargs)
+        except Exception as e:  # a template error (jinja2's TemplateError and its kin)
+            if isinstance(e, ValueError):
+                raise
+            raise ValueError(f"the chat template failed: {type(e).__name__}: {e}") from None
         _check_unicode(text, "the conversation")  # roles and content parts included
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+# apply_chat_template's own arguments: not template variables
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tokenize", "add_generation_prompt", "chat_template",
+    "continue_final_message", "return_tensors", "return_dict", "tools", "documents",
+    "padding", "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask"})
+
+
+def check_chat_template_kwargs(kwargs) -> dict:
+    """chat_template_kwargs as a dict of template variables, or a ValueError naming what
+    is wrong."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise ValueError("chat_template_kwargs must be an object of template variables, e.g. "
+                         '{"enable_thinking": false}')
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs cannot set {', '.join(reserved)}")
+    return kwargs
 
 
 def _text_message(message) -> dict:

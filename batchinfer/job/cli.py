@@ -48,6 +48,10 @@ def _options(f):
         O("--prompt-column", help="Column holding the prompt text (default: prompt)."),
         O("--messages-column", help="Column holding chat messages (default: messages)."),
         O("--system-prompt", help="System message for every row; @FILE reads it from a file."),
+        O("--chat-template", type=click.Path(dir_okay=False),
+          help="Jinja chat template file used instead of the tokenizer's."),
+        O("--chat-template-kwargs", metavar="JSON",
+          help='Extra chat template variables, e.g. \'{"enable_thinking": false}\'.'),
         O("--id-column", help="Column whose value becomes `id` (default: the row index)."),
         O("--limit", type=click.IntRange(min=0), help="Process only the first N input rows."),
         # SamplingParams

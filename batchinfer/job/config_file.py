@@ -14,7 +14,7 @@ from typing import Any
 
 from batchinfer.job.errors import JobError
 
-_PATH_KEYS = ("input", "output", "metrics_textfile")
+_PATH_KEYS = ("input", "output", "metrics_textfile", "chat_template")
 
 
 def load_job_file(path: str | Path) -> dict[str, Any]:

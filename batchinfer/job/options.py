@@ -1,6 +1,7 @@
 """The options of one job: a dataclass validated once, before any model is loaded."""
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -68,6 +69,8 @@ class JobOptions:
     prompt_column: str | None = None
     messages_column: str | None = None
     system_prompt: str | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: str | None = None
     id_column: str | None = None
     limit: int | None = None
     # SamplingParams
@@ -168,6 +171,8 @@ class JobOptions:
         self.sampling_params()
         self.engine_config()
         self.system_prompt_text()
+        self.chat_template_text()
+        self.template_kwargs()
 
     def _check_textfile(self, textfile: Path) -> None:
         """--metrics-textfile: a file in an existing directory, or in OUTDIR/__batchinfer__
@@ -211,6 +216,27 @@ class JobOptions:
         except (OSError, UnicodeDecodeError) as e:
             raise JobError(f"--system-prompt {text}: cannot read {path}: {e}")
 
+    def chat_template_text(self) -> str | None:
+        """The Jinja template in the --chat-template file."""
+        if self.chat_template is None:
+            return None
+        path = Path(self.chat_template).expanduser()
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise JobError(f"--chat-template {self.chat_template}: cannot read it: {e}")
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """--chat-template-kwargs: a JSON object of extra chat template variables."""
+        if self.chat_template_kwargs is None:
+            return None
+        from batchinfer.engine.engine import check_chat_template_kwargs
+        try:
+            return check_chat_template_kwargs(json.loads(self.chat_template_kwargs))
+        except (json.JSONDecodeError, ValueError) as e:
+            raise JobError(f"--chat-template-kwargs must be a JSON object such as "
+                           f"'{{\"enable_thinking\": false}}': {e}")
+
     def identity(self) -> dict[str, Any]:
         """What makes two runs the same job: everything that changes the rows written.
 
@@ -226,6 +252,8 @@ class JobOptions:
             "prompt_column": self.prompt_column,
             "messages_column": self.messages_column,
             "system_prompt": self.system_prompt_text(),
+            "chat_template": self.chat_template_text(),
+            "chat_template_kwargs": self.template_kwargs(),
             "id_column": self.id_column,
             "save_token_ids": self.save_token_ids,
             "sampling": params,

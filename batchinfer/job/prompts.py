@@ -33,7 +33,7 @@ OPENAI_SAMPLING = {
 }
 _TEXT_TYPES = (pa.string(), pa.large_string(), pa.null())
 
-RenderChat = Callable[[list[dict]], list[int]]
+RenderChat = Callable[..., list[int]]  # (messages, chat_template_kwargs=...) -> token ids
 
 
 @dataclass(frozen=True)
@@ -132,11 +132,12 @@ class PromptBuilder:
     """Turns input rows into WorkItems; `render_chat` is the engine's chat template."""
 
     def __init__(self, spec: PromptSpec, params: SamplingParams, system_prompt: str | None,
-                 render_chat: RenderChat):
+                 render_chat: RenderChat, chat_template_kwargs: dict | None = None):
         self.spec = spec
         self.params = params
         self.system_prompt = system_prompt
         self.render_chat = render_chat
+        self.chat_template_kwargs = chat_template_kwargs or {}
 
     def build(self, row: InputRow) -> WorkItem:
         spec = self.spec
@@ -174,7 +175,7 @@ class PromptBuilder:
             return value
         return self._render([{"role": "user", "content": value}])
 
-    def _from_messages(self, value: Any) -> list[int]:
+    def _from_messages(self, value: Any, template_kwargs: dict | None = None) -> list[int]:
         if isinstance(value, str):
             try:
                 value = json.loads(value)
@@ -189,13 +190,14 @@ class PromptBuilder:
         if not all(isinstance(m, dict) for m in value):
             raise ValueError("each message must be an object with 'role' and 'content'")
         messages = [{k: v for k, v in m.items() if v is not None} for m in value]
-        return self._render(messages)
+        return self._render(messages, template_kwargs)
 
-    def _render(self, messages: list[dict]) -> list[int]:
+    def _render(self, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
         if self.system_prompt is not None and messages[0].get("role") != "system":
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
+        kwargs = {**self.chat_template_kwargs, **(template_kwargs or {})}
         try:
-            return self.render_chat(messages)
+            return self.render_chat(messages, chat_template_kwargs=kwargs)
         except ValueError as e:
             raise ValueError(f"invalid messages: {e}") from None
 
@@ -211,7 +213,11 @@ class PromptBuilder:
             raise ValueError(f"url {url!r} is not supported; use {CHAT_URL} or {COMPLETIONS_URL}")
         params = self._openai_params(body)
         if body.get("messages") is not None:
-            return self._from_messages(body["messages"]), params
+            row_kwargs = body.get("chat_template_kwargs")  # vLLM's extension of the API
+            if row_kwargs is not None and not isinstance(row_kwargs, dict):
+                raise ValueError("body.chat_template_kwargs must be an object, got "
+                                 f"{_type_name(row_kwargs)}")
+            return self._from_messages(body["messages"], row_kwargs), params
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             return prompt, params

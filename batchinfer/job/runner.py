@@ -10,6 +10,7 @@ the loop after the current step; finished rows are committed and the exit code i
 """
 from __future__ import annotations
 
+import functools
 import re
 import signal
 import sys
@@ -229,8 +230,10 @@ class _Loop:
         self.metrics = metrics
         self.progress = progress
         params = options.sampling_params()
-        self.builder = PromptBuilder(plan.spec, params, options.system_prompt_text(),
-                                     engine.render_chat)
+        self.builder = PromptBuilder(
+            plan.spec, params, options.system_prompt_text(),
+            functools.partial(engine.render_chat, chat_template=options.chat_template_text()),
+            options.template_kwargs())
         self.window: ReorderWindow[WorkItem] = ReorderWindow(options.reorder_window)
         self.target = max(1, 2 * engine.config.max_num_seqs // params.n)
         self.batches = source.batches(plan.input_schema, plan.json_columns, done, options.limit,

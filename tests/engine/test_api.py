@@ -56,6 +56,44 @@ def test_chat_uses_the_template(llm):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], GREEDY)
 
 
+THINKING_TEMPLATE = (
+    "{%- for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{%- endfor %}"
+    "{%- if add_generation_prompt %}<assistant>"
+    "{%- if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}"
+    "{%- endif %}")
+
+
+def test_chat_template_and_its_variables(llm):
+    tok = llm.get_tokenizer()
+    conversation = [{"role": "user", "content": "Hi there"}]
+
+    def ids(text):
+        return tok.encode(text, add_special_tokens=False)
+
+    out = llm.chat(conversation, GREEDY, chat_template=THINKING_TEMPLATE)[0]
+    assert out.prompt_token_ids == ids("<user>Hi there<assistant>")
+    out = llm.chat(conversation, GREEDY, chat_template=THINKING_TEMPLATE,
+                   chat_template_kwargs={"enable_thinking": False})[0]
+    assert out.prompt_token_ids == ids("<user>Hi there<assistant><no-think>")
+    # the tokenizer's own template takes the variables too
+    default = llm.chat(conversation, GREEDY)[0].prompt_token_ids
+    assert llm.chat(conversation, GREEDY, chat_template_kwargs={"unused": 1})[0] \
+        .prompt_token_ids == default
+    # continuing the last message: no new turn
+    partial = [*conversation, {"role": "assistant", "content": "Once upon"}]
+    out = llm.chat(partial, GREEDY, add_generation_prompt=False, continue_final_message=True,
+                   chat_template=THINKING_TEMPLATE)[0]
+    assert out.prompt_token_ids == ids("<user>Hi there<assistant>Once upon")
+    with pytest.raises(ValueError, match="cannot both be set"):
+        llm.chat(partial, GREEDY, continue_final_message=True)
+    with pytest.raises(ValueError, match="cannot set add_generation_prompt"):
+        llm.chat(conversation, GREEDY, chat_template_kwargs={"add_generation_prompt": False})
+    with pytest.raises(ValueError, match="must be an object"):
+        llm.chat(conversation, GREEDY, chat_template_kwargs=["enable_thinking"])
+    with pytest.raises(ValueError, match="the chat template failed: TemplateSyntaxError"):
+        llm.chat(conversation, GREEDY, chat_template="{% for %}")
+
+
 def test_token_ids_of_any_integer_type(llm):
     ids = [1, 5, 9]
     expected = llm.generate(ids, GREEDY)[0].outputs[0].token_ids

@@ -156,6 +156,48 @@ def test_messages_column_and_system_prompt(tmp_path, run_cli, reference_llm):
     assert read_output(tmp_path / "out2").column("completion").to_pylist() == expected
 
 
+TEMPLATE = (
+    "{%- for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{%- endfor %}"
+    "{%- if add_generation_prompt %}<assistant>"
+    "{%- if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}"
+    "{%- endif %}")
+
+
+def test_chat_template_file_and_variables(tmp_path, run_cli, reference_llm):
+    (tmp_path / "t.jinja").write_text(TEMPLATE)
+    convs = [[{"role": "user", "content": p}] for p in PROMPTS[:3]]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
+    check_ok(run_cli(tmp_path / "in.jsonl", "-o", tmp_path / "out", "--chat-template",
+                     tmp_path / "t.jinja", "--chat-template-kwargs",
+                     '{"enable_thinking": false}', *SAMPLING_FLAGS))
+    expected = reference_llm.chat(convs, GREEDY, chat_template=TEMPLATE,
+                                  chat_template_kwargs={"enable_thinking": False})
+    table = read_output(tmp_path / "out")
+    assert table.column("completion").to_pylist() == [o.outputs[0].text for o in expected]
+    assert table.column("prompt_tokens").to_pylist() == [len(o.prompt_token_ids) for o in expected]
+
+    # OpenAI Batch lines carry their own variables (vLLM's chat_template_kwargs), over the flag's
+    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": c, "max_tokens": 3, "temperature": 0,
+                       **({"chat_template_kwargs": {"enable_thinking": True}} if i else {})}}
+             for i, c in enumerate(convs[:2])]
+    (tmp_path / "batch.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    check_ok(run_cli(tmp_path / "batch.jsonl", "-o", tmp_path / "out2", "--chat-template",
+                     tmp_path / "t.jinja", "--chat-template-kwargs", '{"enable_thinking": false}'))
+    tok = reference_llm.get_tokenizer()
+    lengths = [len(tok.encode(t, add_special_tokens=False)) for t in
+               ("<user>" + PROMPTS[0] + "<assistant><no-think>", "<user>" + PROMPTS[1] + "<assistant>")]
+    assert read_output(tmp_path / "out2").column("prompt_tokens").to_pylist() == lengths
+
+    # a bad row's variables fail that row alone
+    bad = dict(lines[0], custom_id="bad", body=dict(lines[0]["body"], chat_template_kwargs=[1]))
+    (tmp_path / "bad.jsonl").write_text(json.dumps(bad) + "\n" + json.dumps(lines[1]) + "\n")
+    check_ok(run_cli(tmp_path / "bad.jsonl", "-o", tmp_path / "out3", "--chat-template",
+                     tmp_path / "t.jinja"))
+    errors = read_output(tmp_path / "out3").column("error").to_pylist()
+    assert "chat_template_kwargs must be an object" in errors[0] and errors[1] is None
+
+
 def test_openai_batch_input_and_output(tmp_path, run_cli, reference_llm):
     lines = [
         {"custom_id": "chat-1", "method": "POST", "url": "/v1/chat/completions",

@@ -86,8 +86,11 @@ def test_job_file_paths_types_and_overrides(tmp_path, monkeypatch):
     (jobs / "job.toml").write_text(
         'input = "data/in.jsonl"\noutput = "../out/job"\nmodel = "demo"\n'
         'system-prompt = "@system.txt"\nkv_cache_memory = "1GiB"\n'
+        'chat-template = "chat.jinja"\nchat-template-kwargs = \'{"enable_thinking": false}\'\n'
         '[sampling]\nmax-tokens = 8\ntemperature = 0.0\nstop = ["\\n"]\n')
+    (jobs / "chat.jinja").write_text("{{ messages[0]['content'] }}")
     values = load_job_file(jobs / "job.toml")
+    assert values["chat_template"] == str(jobs / "chat.jinja")
     assert values["input"] == str(jobs / "data" / "in.jsonl")
     assert values["output"] == str(jobs / "../out/job")
     assert values["system_prompt"] == "@" + str(jobs / "system.txt")
@@ -107,6 +110,8 @@ def test_job_file_paths_types_and_overrides(tmp_path, monkeypatch):
     CliRunner().invoke(run, ["--config", str(jobs / "flags.toml"), "--no-save-token-ids"])
     assert seen["o"].save_token_ids is False and seen["o"].ignore_eos is True
     assert options.kv_cache_memory == 2**30 and options.system_prompt_text() == "Be brief."
+    assert options.chat_template_text() == "{{ messages[0]['content'] }}"
+    assert options.template_kwargs() == {"enable_thinking": False}
 
     (jobs / "bad.toml").write_text('model = "demo"\nmax-tokens = "many"\n')
     result = CliRunner().invoke(run, ["--config", str(jobs / "bad.toml")])
