@@ -1,7 +1,7 @@
 """batchinfer: offline batch inference with continuous batching, paged attention and
 prefix caching."""
 from batchinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from batchinfer.sampling_params import SamplingParams
+from batchinfer.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str):
@@ -12,5 +12,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'batchinfer' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob",
            "RequestMetrics"]

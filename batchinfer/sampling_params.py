@@ -3,7 +3,36 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constraints on what a completion may be, with vLLM's names. `choice`: the
+    completion is exactly one of these strings (each as the tokenizer encodes it), then
+    the end-of-sequence token. JSON schemas, regular expressions and grammars are not
+    supported."""
+
+    choice: list[str] | None = None
+    json: object = None
+    regex: str | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        unsupported = [name for name in ("json", "regex", "grammar")
+                       if getattr(self, name) is not None]
+        if unsupported:
+            raise ValueError(f"structured outputs by {', '.join(unsupported)} are not "
+                             "supported; only choice is")
+        choice = self.choice
+        if (choice is None or isinstance(choice, (str, bytes, dict))
+                or not hasattr(choice, "__iter__")):
+            raise ValueError(f"StructuredOutputsParams.choice must be a list of strings, "
+                             f"got {choice!r}")
+        self.choice = list(choice)
+        if not self.choice or any(not isinstance(c, str) or not c for c in self.choice):
+            raise ValueError(f"StructuredOutputsParams.choice must be non-empty strings, got "
+                             f"{self.choice!r}")
 
 
 @dataclass
@@ -33,6 +62,13 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # added to the logits of these token ids (OpenAI's logit_bias, in [-100, 100])
+    logit_bias: dict[int, float] | None = None
+    # only these token ids may be sampled
+    allowed_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    # the choices as token ids, set by the engine (the tokenizer lives there)
+    choice_token_ids: list[list[int]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -104,10 +140,68 @@ class SamplingParams:
         if any(not isinstance(t, numbers.Integral) or isinstance(t, bool) or t < 0 for t in ids):
             raise bad("stop_token_ids", "must be integers >= 0")
         self.stop_token_ids = [int(t) for t in ids]
+        self._validate_constraints()
+
+    def _validate_constraints(self) -> None:
+        def token_id(t) -> int:
+            if isinstance(t, str) and t.strip().isdigit():  # JSON object keys are strings
+                t = int(t)
+            if isinstance(t, float) and t.is_integer():
+                t = int(t)
+            if not isinstance(t, numbers.Integral) or isinstance(t, bool) or t < 0:
+                raise ValueError(f"token ids must be integers >= 0, got {t!r}")
+            return int(t)
+
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError("SamplingParams.logit_bias must map token ids to numbers, "
+                                 f"got {self.logit_bias!r}")
+            bias = {}
+            for t, v in self.logit_bias.items():
+                try:
+                    t = token_id(t)
+                except ValueError as e:
+                    raise ValueError(f"SamplingParams.logit_bias: {e}") from None
+                if not (isinstance(v, numbers.Real) and not isinstance(v, bool)
+                        and math.isfinite(v) and -100 <= v <= 100):
+                    raise ValueError(f"SamplingParams.logit_bias values must be numbers in "
+                                     f"[-100, 100], got {v!r} for token {t}")
+                bias[t] = float(v)
+            self.logit_bias = bias or None
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if isinstance(ids, (str, bytes, dict)) or not hasattr(ids, "__iter__"):
+                raise ValueError("SamplingParams.allowed_token_ids must be a list of token ids, "
+                                 f"got {ids!r}")
+            try:
+                self.allowed_token_ids = sorted({token_id(t) for t in ids})
+            except ValueError as e:
+                raise ValueError(f"SamplingParams.allowed_token_ids: {e}") from None
+            if not self.allowed_token_ids:
+                raise ValueError("SamplingParams.allowed_token_ids must not be empty")
+        if self.structured_outputs is not None:
+            if isinstance(self.structured_outputs, dict):
+                try:
+                    self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+                except TypeError as e:
+                    raise ValueError(f"SamplingParams.structured_outputs: {e}") from None
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError("SamplingParams.structured_outputs must be a "
+                                 "StructuredOutputsParams")
+            if self.ignore_eos or self.min_tokens:
+                raise ValueError("SamplingParams.structured_outputs with choice ends each "
+                                 "completion with the end-of-sequence token: ignore_eos and "
+                                 "min_tokens cannot be set with it")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @property
+    def constrained(self) -> bool:
+        """Whether the sampler masks or biases this request's logits."""
+        return (self.logit_bias is not None or self.allowed_token_ids is not None
+                or self.structured_outputs is not None)
 
     @property
     def uses_penalties(self) -> bool:

@@ -126,6 +126,7 @@ class LLMEngine:
         try:
             token_ids = self._prompt_token_ids(prompt)
             self.check_params(params)
+            params = self._resolve_choices(params)
             if len(token_ids) >= self.max_model_len:
                 raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is "
                                  f"{self.max_model_len} (room for at least one output token "
@@ -160,6 +161,20 @@ class LLMEngine:
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), got "
                              f"{params.stop_token_ids}")
+        for name, ids in (("logit_bias", params.logit_bias or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
+            if any(t >= vocab for t in ids):
+                raise ValueError(f"{name} must name token ids in [0, {vocab})")
+
+    def _resolve_choices(self, params: SamplingParams) -> SamplingParams:
+        """params with its structured-output choices as token ids (a copy)."""
+        if params.structured_outputs is None:
+            return params
+        choices = [self.tokenizer.encode(c, add_special_tokens=False)
+                   for c in params.structured_outputs.choice]
+        if not all(choices):
+            raise ValueError("a structured-output choice encodes to no tokens")
+        return params.clone(choice_token_ids=choices)
 
     def _prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

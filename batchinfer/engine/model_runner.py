@@ -37,7 +37,33 @@ class RunnerRequest:
         p = self.params
         # argmax is all this request ever needs from the sampler
         self.plain_greedy = (p.greedy and not p.uses_penalties and p.logprobs is None
-                             and not p.min_tokens)
+                             and not p.min_tokens and not p.constrained)
+        self.choices = ChoiceTrie(p.choice_token_ids) if p.choice_token_ids else None
+
+
+class ChoiceTrie:
+    """The token sequences a structured-output choice allows, as a trie: which tokens may
+    follow what was generated so far (the end-of-sequence tokens once a choice is
+    complete)."""
+
+    def __init__(self, choices: list[list[int]]):
+        self.root: dict = {}
+        for ids in choices:
+            node = self.root
+            for t in ids:
+                node = node.setdefault(t, {})
+            node[None] = True  # a choice ends here
+
+    def next_tokens(self, generated: list[int], eos_token_ids: frozenset[int]) -> set[int]:
+        node = self.root
+        for t in generated:
+            node = node.get(t)
+            if node is None:  # off the trie (cannot happen: every token came from it)
+                return set(eos_token_ids)
+        allowed = {t for t in node if t is not None}
+        if None in node:
+            allowed |= eos_token_ids
+        return allowed
 
 
 @dataclass
@@ -289,6 +315,39 @@ class ModelRunner:
             out.logprobs = list(zip(ids, values, ranks))
         return out
 
+    def _constraints(self, states: list[RunnerRequest]):
+        """(rows, token ids) that may be sampled where a row is restricted, and (rows, token
+        ids, values) of logit biases; None where no row has one."""
+        allowed_rows: list[int] = []
+        allowed_ids: list[int] = []
+        bias_rows: list[int] = []
+        bias_ids: list[int] = []
+        bias_values: list[float] = []
+        for i, s in enumerate(states):
+            p = s.params
+            allowed = None
+            if s.choices is not None:
+                allowed = s.choices.next_tokens(s.token_ids[s.num_prompt_tokens:],
+                                                self.eos_token_ids)
+            if p.allowed_token_ids is not None:
+                allowed = (set(p.allowed_token_ids) if allowed is None
+                           else allowed & set(p.allowed_token_ids))
+            if allowed is not None:
+                if not allowed:
+                    raise ValueError("no token is allowed")  # checked where params are made
+                allowed_rows += [i] * len(allowed)
+                allowed_ids += sorted(allowed)
+            if p.logit_bias:
+                bias_rows += [i] * len(p.logit_bias)
+                bias_ids += list(p.logit_bias)
+                bias_values += list(p.logit_bias.values())
+        dev = self.device
+        allowed_t = ((torch.tensor(allowed_rows, device=dev), torch.tensor(allowed_ids, device=dev))
+                     if allowed_rows else None)
+        bias_t = ((torch.tensor(bias_rows, device=dev), torch.tensor(bias_ids, device=dev),
+                   torch.tensor(bias_values, device=dev)) if bias_rows else None)
+        return allowed_t, bias_t
+
     def _sampling_batch(self, states: list[RunnerRequest]) -> SamplingBatch:
         if all(s.plain_greedy for s in states):
             return SamplingBatch(all_greedy=True)
@@ -306,6 +365,8 @@ class ModelRunner:
             all_greedy=all_greedy,
             max_num_logprobs=max(need_logprobs) if need_logprobs else None,
             blocked=(blocked_rows, blocked_ids) if blocked_rows else None)
+        if any(p.constrained for p in params):
+            batch.allowed, batch.bias = self._constraints(states)
         dev = self.device
         if penalties:
             batch.repetition_penalty = torch.tensor([p.repetition_penalty for p in params], device=dev)

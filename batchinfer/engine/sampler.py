@@ -1,6 +1,7 @@
 """Turns the logits of the rows that sample into tokens, batched on tensors.
 
-Order, as in vLLM: raw logprobs (if asked) -> min_tokens suppression -> penalties ->
+Order, as in vLLM: raw logprobs (if asked) -> logit bias and allowed tokens (structured
+outputs) -> min_tokens suppression -> penalties ->
 greedy rows take argmax -> temperature -> min_p / top_k / top_p -> sample. Sampling draws
 exponential noise per row (argmax(p / q) is a sample from p); a seeded request draws its
 noise from its own generator, so its output does not depend on what shares the batch.
@@ -31,6 +32,10 @@ class SamplingBatch:
     output_token_ids: list[list[int]] | None = None
     # (rows, token ids) whose logits are -inf this step (min_tokens not yet reached)
     blocked: tuple[list[int], list[int]] | None = None
+    # (rows, token ids): in these rows only the listed tokens may be sampled
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
+    # (rows, token ids, values) added to the logits (logit_bias)
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     max_num_logprobs: int | None = None
 
     @property
@@ -38,7 +43,8 @@ class SamplingBatch:
         """Every row greedy with nothing else to apply: the logits may stay in the model's
         dtype."""
         return (self.all_greedy and self.max_num_logprobs is None and self.blocked is None
-                and self.repetition_penalty is None)
+                and self.repetition_penalty is None and self.allowed is None
+                and self.bias is None)
 
 
 @dataclass
@@ -57,6 +63,8 @@ class Sampler:
         raw_logprobs = None
         if batch.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
+        if batch.allowed is not None or batch.bias is not None:
+            logits = _constrain(logits, batch.allowed, batch.bias)
         if batch.blocked is not None:
             logits = logits.clone()
             logits[batch.blocked[0], batch.blocked[1]] = float("-inf")
@@ -118,6 +126,21 @@ class Sampler:
         logits = logits - batch.frequency_penalty[:, None] * output_counts
         logits = logits - batch.presence_penalty[:, None] * (output_counts > 0).to(logits.dtype)
         return logits
+
+
+def _constrain(logits: torch.Tensor, allowed, bias) -> torch.Tensor:
+    """A copy of logits with the logit biases added and, in restricted rows, every token
+    but the allowed ones at -inf."""
+    logits = logits.clone()
+    if bias is not None:
+        rows, ids, values = bias
+        logits.index_put_((rows, ids), values.to(logits.dtype), accumulate=True)
+    if allowed is not None:
+        rows, ids = allowed
+        keep = logits[rows, ids]
+        logits[torch.unique(rows)] = float("-inf")
+        logits[rows, ids] = keep
+    return logits
 
 
 _ARGMAX_CHUNK = 128

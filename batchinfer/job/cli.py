@@ -63,6 +63,8 @@ def _options(f):
         O("--n", type=int, help="Completions per prompt."),
         O("--stop", multiple=True, help="Stop string (repeatable)."),
         O("--stop-token-ids", type=int, multiple=True, help="Stop token id (repeatable)."),
+        O("--choice", multiple=True,
+          help="Every completion is exactly one of these strings (repeatable)."),
         O("--ignore-eos/--no-ignore-eos", default=None),
         O("--repetition-penalty", type=float), O("--presence-penalty", type=float),
         O("--frequency-penalty", type=float),

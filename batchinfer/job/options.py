@@ -84,6 +84,7 @@ class JobOptions:
     min_tokens: int | None = None
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
+    choice: list[str] | None = None
     ignore_eos: bool | None = None
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
@@ -188,10 +189,14 @@ class JobOptions:
 
     def sampling_params(self) -> SamplingParams:
         kwargs = {k: getattr(self, k) for k in SAMPLING_OPTIONS if getattr(self, k) is not None}
+        if self.choice:
+            kwargs["structured_outputs"] = {"choice": list(self.choice)}
         try:
             return SamplingParams(**kwargs)
         except (ValueError, TypeError) as e:
-            raise JobError(re.sub(r"SamplingParams\.(\w+)", lambda m: flag(m.group(1)), str(e)))
+            message = re.sub(r"(SamplingParams|StructuredOutputsParams)\.(\w+)",
+                             lambda m: flag(m.group(2)), str(e))
+            raise JobError(message.replace("--structured-outputs", "--choice"))
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of LLMEngine.from_kwargs, without `model`."""

@@ -29,7 +29,9 @@ OPENAI_SAMPLING = {
     "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty",
     "min_tokens": "min_tokens", "ignore_eos": "ignore_eos", "stop_token_ids": "stop_token_ids",
     "include_stop_str_in_output": "include_stop_str_in_output",
-    "skip_special_tokens": "skip_special_tokens",
+    "skip_special_tokens": "skip_special_tokens", "logit_bias": "logit_bias",
+    # vLLM's extensions: allowed tokens, and a completion that is one of a list of strings
+    "allowed_token_ids": "allowed_token_ids", "structured_outputs": "structured_outputs",
 }
 _TEXT_TYPES = (pa.string(), pa.large_string(), pa.null())
 
@@ -233,6 +235,8 @@ class PromptBuilder:
     def _openai_params(self, body: dict) -> SamplingParams:
         changes = {OPENAI_SAMPLING[k]: v for k, v in body.items()
                    if k in OPENAI_SAMPLING and v is not None}
+        if body.get("guided_choice") is not None:  # vLLM's older name
+            changes["structured_outputs"] = {"choice": body["guided_choice"]}
         top = body.get("top_logprobs")
         logprobs = body.get("logprobs")
         if isinstance(logprobs, bool):

@@ -385,3 +385,79 @@ def test_no_block_is_held_after_preemptions_n_stop_strings_and_aborts(model_dir:
         finished += [o.request_id for o in engine.step()]
     assert sorted(finished) == [f"abort-{i}" for i in range(1, 6, 2)]
     assert_no_blocks_held(small)
+
+
+# ---- logit bias, allowed tokens, structured-output choices ----------------------------
+
+def _first_step_logprobs(llm, prompt: str) -> dict[int, float]:
+    """Every token's raw logprob at the first generated position."""
+    vocab = llm.llm_engine.model_config.vocab_size
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, logprobs=vocab))[0]
+    return {t: lp.logprob for t, lp in out.outputs[0].logprobs[0].items()}
+
+
+def test_allowed_token_ids_and_logit_bias_steer_greedy(llm):
+    raw = _first_step_logprobs(llm, "The weather today")
+    ranked = sorted(raw, key=raw.get, reverse=True)
+    allowed = [ranked[9], ranked[4], ranked[30]]
+    out = llm.generate(["The weather today"], SamplingParams(
+        max_tokens=3, temperature=0.0, allowed_token_ids=allowed))[0].outputs[0]
+    assert out.token_ids[0] == ranked[4]  # the best of the allowed ones
+    assert set(out.token_ids) <= set(allowed)
+    # a -100 bias on the best token makes the second the greedy choice; +100 on the
+    # 50th makes it the choice
+    first = lambda **kw: llm.generate(["The weather today"], SamplingParams(
+        max_tokens=1, temperature=0.0, **kw))[0].outputs[0].token_ids[0]
+    assert first(logit_bias={ranked[0]: -100}) == ranked[1]
+    assert first(logit_bias={str(ranked[50]): 100.0}) == ranked[50]  # JSON-style keys too
+    # logprobs stay those of the model (vLLM's raw logprobs)
+    biased = llm.generate(["The weather today"], SamplingParams(
+        max_tokens=1, temperature=0.0, logprobs=1, logit_bias={ranked[50]: 100}))[0]
+    assert biased.outputs[0].logprobs[0][ranked[50]].logprob == pytest.approx(raw[ranked[50]], abs=1e-4)
+
+
+def test_choice_completions_are_one_of_the_choices(llm):
+    from batchinfer import StructuredOutputsParams
+    choices = ["positive", "negative", "a neutral opinion"]
+    tok = llm.get_tokenizer()
+    prompts = ["I loved this film", "Terrible service", "It was fine", "hello"]
+    params = SamplingParams(max_tokens=32, temperature=0.0,
+                            structured_outputs=StructuredOutputsParams(choice=choices))
+    outs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outs):
+        c = out.outputs[0]
+        assert c.text in choices and c.finish_reason == "stop"
+        # greedy: the first token is the best first token of any choice
+        raw = _first_step_logprobs(llm, prompt)
+        firsts = {tok.encode(ch, add_special_tokens=False)[0] for ch in choices}
+        assert c.token_ids[0] == max(firsts, key=raw.get)
+    sampled = llm.generate(prompts[:1], SamplingParams(
+        n=6, temperature=1.5, seed=3, max_tokens=32,
+        structured_outputs={"choice": choices}))[0]  # a dict, as JSON gives it
+    assert {c.text for c in sampled.outputs} <= set(choices)
+
+
+def test_constraint_mistakes_are_named():
+    from batchinfer import StructuredOutputsParams
+    with pytest.raises(ValueError, match="logit_bias values must be numbers in"):
+        SamplingParams(logit_bias={1: 500})
+    with pytest.raises(ValueError, match="logit_bias: token ids must be integers"):
+        SamplingParams(logit_bias={"x": 1})
+    with pytest.raises(ValueError, match="allowed_token_ids must not be empty"):
+        SamplingParams(allowed_token_ids=[])
+    with pytest.raises(ValueError, match="by json are not supported; only choice"):
+        StructuredOutputsParams(json={"type": "object"})
+    with pytest.raises(ValueError, match="choice must be non-empty strings"):
+        StructuredOutputsParams(choice=["a", ""])
+    with pytest.raises(ValueError, match="ignore_eos and min_tokens cannot"):
+        SamplingParams(ignore_eos=True, structured_outputs={"choice": ["a"]})
+    with pytest.raises(ValueError, match="structured_outputs: .*unexpected keyword"):
+        SamplingParams(structured_outputs={"choices": ["a"]})
+
+
+def test_constraints_beyond_the_vocabulary_fail_the_request(llm):
+    vocab = llm.llm_engine.model_config.vocab_size
+    outs = llm.generate(["a", "b"], [SamplingParams(max_tokens=2, allowed_token_ids=[vocab]),
+                                     SamplingParams(max_tokens=2, temperature=0.0)])
+    assert "allowed_token_ids must name token ids" in outs[0].error
+    assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 2

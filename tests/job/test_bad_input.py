@@ -92,6 +92,7 @@ def assert_fatal(result, *words: str) -> None:
     (["--output-format", "openai"], ["--output-format openai"]),
     (["--system-prompt", "@/nonexistent/system.txt"], ["--system-prompt"]),
     (["--chat-template", "/nonexistent/template.jinja"], ["--chat-template", "cannot read"]),
+    (["--choice", ""], ["--choice", "non-empty strings"]),
     (["--chat-template-kwargs", "enable_thinking=false"], ["--chat-template-kwargs", "JSON"]),
     (["--chat-template-kwargs", '["x"]'], ["--chat-template-kwargs", "must be an object"]),
     (["--chat-template-kwargs", '{"tokenize": true}'], ["cannot set tokenize"]),

@@ -198,6 +198,36 @@ def test_chat_template_file_and_variables(tmp_path, run_cli, reference_llm):
     assert "chat_template_kwargs must be an object" in errors[0] and errors[1] is None
 
 
+def test_choice_and_per_line_constraints(tmp_path, run_cli, reference_llm):
+    labels = ["positive", "negative", "mixed feelings"]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    check_ok(run_cli(tmp_path / "in.jsonl", "-o", tmp_path / "out", *SAMPLING_FLAGS,
+                     "--max-tokens", "32", *[a for label in labels for a in ("--choice", label)]))
+    table = read_output(tmp_path / "out")
+    expected = reference_llm.generate(PROMPTS, GREEDY.clone(
+        max_tokens=32, structured_outputs={"choice": labels}))
+    assert table.column("completion").to_pylist() == [o.outputs[0].text for o in expected]
+    assert set(table.column("completion").to_pylist()) <= set(labels)
+    assert set(table.column("finish_reason").to_pylist()) == {"stop"}
+
+    # OpenAI Batch lines: vLLM's guided_choice / structured_outputs, OpenAI's logit_bias
+    tok = reference_llm.get_tokenizer()
+    forced = tok.encode(" zebra", add_special_tokens=False)[0]
+    bodies = [{"guided_choice": ["yes", "no"]},
+              {"structured_outputs": {"choice": ["red", "green"]}},
+              {"logit_bias": {str(forced): 100}, "max_tokens": 2},
+              {"structured_outputs": {"regex": "[a-z]+"}}]
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": "Answer:", "temperature": 0, "max_tokens": 5, **b}}
+             for i, b in enumerate(bodies)]
+    (tmp_path / "batch.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    check_ok(run_cli(tmp_path / "batch.jsonl", "-o", tmp_path / "out2", "--save-token-ids"))
+    rows = read_output(tmp_path / "out2").to_pylist()
+    assert rows[0]["completion"] in ("yes", "no") and rows[1]["completion"] in ("red", "green")
+    assert rows[2]["token_ids"] == [forced, forced]
+    assert "regex are not supported" in rows[3]["error"]
+
+
 def test_openai_batch_input_and_output(tmp_path, run_cli, reference_llm):
     lines = [
         {"custom_id": "chat-1", "method": "POST", "url": "/v1/chat/completions",
