@@ -71,3 +71,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when the request failed on its own (e.g. prompt too long)
+    # with SamplingParams.prompt_logprobs: per prompt token (None for the first) the
+    # token's logprob given the ones before it, and the top k there
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

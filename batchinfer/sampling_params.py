@@ -60,6 +60,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    # per prompt token: its logprob given the tokens before it, and the top k there
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # added to the logits of these token ids (OpenAI's logit_bias, in [-100, 100])
@@ -133,6 +135,7 @@ class SamplingParams:
         real("presence_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]")
         real("frequency_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]")
         integer("logprobs", 0, optional=True)
+        integer("prompt_logprobs", 0, optional=True)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"SamplingParams.stop must be non-empty strings, got {self.stop!r}")
         ids = [int(t) if isinstance(t, float) and t.is_integer() else t

@@ -156,8 +156,10 @@ class LLMEngine:
         """What SamplingParams cannot check alone: the bounds this model's vocabulary sets
         (ValueError)."""
         vocab = self.model_config.vocab_size
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise ValueError(f"logprobs {params.logprobs} exceeds the vocabulary size ({vocab})")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > vocab:
+                raise ValueError(f"{name} {k} exceeds the vocabulary size ({vocab})")
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), got "
                              f"{params.stop_token_ids}")
@@ -250,6 +252,8 @@ class LLMEngine:
             req.num_computed_tokens += n
         self.num_generated_tokens += len(result.token_ids)
         requests = self.requests
+        for req_id, (first, rows) in (result.prompt_logprobs or {}).items():
+            self._record_prompt_logprobs(requests[req_id], first, rows)
         for i, (req_id, token) in enumerate(zip(result.req_ids, result.token_ids)):
             req = requests[req_id]
             req.token_ids.append(token)
@@ -303,6 +307,20 @@ class LLMEngine:
         req.logprobs.append(record)
         req.cumulative_logprob += values[-1]
 
+    def _record_prompt_logprobs(self, req: Request, first: int, rows) -> None:
+        """Prompt positions first, first + 1, ...: each (top ids, values (+ the prompt
+        token's), its rank), as the model runner computed them for one prefill chunk."""
+        k = req.params.prompt_logprobs
+        for offset, (top_ids, values, rank) in enumerate(rows):
+            position = first + offset
+            token = req.token_ids[position]
+            record = {token: Logprob(values[-1], rank)}
+            for r, (tid, v) in enumerate(zip(top_ids[:k], values[:k])):
+                record.setdefault(tid, Logprob(v, r + 1))
+            for tid, lp in record.items():
+                lp.decoded_token = self.tokenizer.decode([tid])
+            req.prompt_logprobs[position] = record  # a recomputed chunk writes the same
+
     def _finish_child(self, req: Request) -> RequestOutput | None:
         parent = self.parents[req.parent_id]
         if req.detokenizer is not None:
@@ -321,9 +339,11 @@ class LLMEngine:
             return None
         del self.parents[parent.request_id]
         outputs = [parent.done[i] for i in range(len(parent.children))]
+        first = parent.children[0]
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs,
-                             True, max(parent.children[0].num_cached_tokens, 0),
-                             _merge_metrics([c.metrics for c in parent.children]))
+                             True, max(first.num_cached_tokens, 0),
+                             _merge_metrics([c.metrics for c in parent.children]),
+                             prompt_logprobs=first.prompt_logprobs)
 
     # ---- introspection ---------------------------------------------------------------
     def stats(self) -> dict:

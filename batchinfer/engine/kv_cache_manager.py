@@ -41,7 +41,8 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of full blocks; the last token is always left to
         compute, since its logits are needed."""
-        if not self.enable_caching:
+        if not self.enable_caching or request.params.prompt_logprobs is not None:
+            # prompt logprobs need every prompt position computed: no cache hits (as vLLM)
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits = []

@@ -71,6 +71,8 @@ class RunnerOutput:
     req_ids: list[str]                 # the requests that sampled a token this step
     token_ids: list[int]
     logprobs: list[tuple[list[int], list[float], int]] | None = None  # top ids, values (+sampled), rank
+    # req id -> (first prompt position scored, per position as in logprobs)
+    prompt_logprobs: dict[str, tuple[int, list]] | None = None
 
 
 class ModelRunner:
@@ -289,11 +291,14 @@ class ModelRunner:
             pos_t = torch.from_numpy(positions).to(self.device)
             hidden = self.model(ids_t, pos_t, meta, self.kv_caches)
 
+        prompt_logprobs = None
+        if any(s.params.prompt_logprobs is not None for s in states[len(decodes):]):
+            prompt_logprobs = self._prompt_logprobs(hidden, states, order, starts, num_new, qsl)
         sample_mask = (starts + num_new) == np.array([len(s.token_ids) for s in states],
                                                      dtype=np.int64)
         sample_idx = np.nonzero(sample_mask)[0]
         if len(sample_idx) == 0:
-            return RunnerOutput([], [])
+            return RunnerOutput([], [], prompt_logprobs=prompt_logprobs)
         if len(sample_idx) == len(states):
             sample_states, sample_ids = states, order
         else:
@@ -308,11 +313,45 @@ class ModelRunner:
         tokens = sampled.token_ids.tolist()
         for state, token in zip(sample_states, tokens):
             state.token_ids.append(token)
-        out = RunnerOutput(sample_ids, tokens)
+        out = RunnerOutput(sample_ids, tokens, prompt_logprobs=prompt_logprobs)
         if sampled.logprob_values is not None:
             ids, values, ranks = (sampled.logprob_ids.tolist(), sampled.logprob_values.tolist(),
                                   sampled.sampled_ranks.tolist())
             out.logprobs = list(zip(ids, values, ranks))
+        return out
+
+    # rows of prompt logits computed at once: bounds the float32 [rows, vocab] buffers
+    PROMPT_LOGPROB_ROWS = 256
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, states: list[RunnerRequest],
+                         order: list[str], starts: np.ndarray, num_new: np.ndarray,
+                         qsl: np.ndarray) -> dict[str, tuple[int, list]]:
+        """For each request asking prompt_logprobs with prompt tokens in this step: the
+        first prompt position it scores, and per position (top ids, top values + the
+        prompt token's logprob, that token's rank). Position p's hidden state scores
+        token p + 1."""
+        out = {}
+        for i, state in enumerate(states):
+            k = state.params.prompt_logprobs
+            if k is None:
+                continue
+            start = int(starts[i])
+            end = min(start + int(num_new[i]), state.num_prompt_tokens - 1)
+            if end <= start:
+                continue
+            rows = []
+            for a in range(start, end, self.PROMPT_LOGPROB_ROWS):
+                b = min(a + self.PROMPT_LOGPROB_ROWS, end)
+                first_row = int(qsl[i]) + a - start
+                logits = self.model.compute_logits(hidden[first_row:first_row + b - a])
+                logprobs = torch.log_softmax(logits, dim=-1)
+                targets = torch.tensor(state.token_ids[a + 1:b + 1], device=logits.device)
+                chosen = logprobs.gather(1, targets[:, None])
+                ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
+                top_values, top_ids = logprobs.topk(k, dim=-1)
+                values = torch.cat([top_values, chosen], dim=1).tolist()
+                rows += list(zip(top_ids.tolist(), values, ranks))
+            out[order[i]] = (start + 1, rows)
         return out
 
     def _constraints(self, states: list[RunnerRequest]):

@@ -50,6 +50,8 @@ class Request:
         self.stop_reason: int | str | None = None
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0 if params.logprobs is not None else None
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            [None] * self.num_prompt_tokens if params.prompt_logprobs is not None else None)
         self.detokenizer = None  # set by the engine when stop strings need incremental text
 
     @property

@@ -69,6 +69,8 @@ def _options(f):
         O("--repetition-penalty", type=float), O("--presence-penalty", type=float),
         O("--frequency-penalty", type=float),
         O("--logprobs", type=int, help="Save the top-K logprobs of each token (adds columns)."),
+        O("--prompt-logprobs", type=int,
+          help="Save each prompt token's logprob and the top K there (adds columns)."),
         O("--include-stop-str-in-output/--no-include-stop-str-in-output", default=None),
         O("--skip-special-tokens/--no-skip-special-tokens", default=None),
         # EngineConfig

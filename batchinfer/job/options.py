@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 SAMPLING_OPTIONS = (
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
     "stop_token_ids", "ignore_eos", "repetition_penalty", "presence_penalty",
-    "frequency_penalty", "logprobs", "include_stop_str_in_output", "skip_special_tokens",
+    "frequency_penalty", "logprobs", "prompt_logprobs", "include_stop_str_in_output",
+    "skip_special_tokens",
 )
 # Option name -> EngineConfig field (None = the engine's default).
 ENGINE_OPTIONS = {
@@ -85,6 +86,7 @@ class JobOptions:
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
     choice: list[str] | None = None
+    prompt_logprobs: int | None = None
     ignore_eos: bool | None = None
     repetition_penalty: float | None = None
     presence_penalty: float | None = None

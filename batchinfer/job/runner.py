@@ -123,7 +123,8 @@ def _plan(options: JobOptions, source: Source, outdir: OutputDir) -> _Plan:
         check_types(spec, input_schema)
         # OpenAI Batch lines may each ask for logprobs: their columns are always there
         schema = output_schema(input_schema, spec, options.save_token_ids,
-                               options.logprobs is not None or spec.mode == "openai")
+                               options.logprobs is not None or spec.mode == "openai",
+                               options.prompt_logprobs is not None)
         manifest = Manifest(fingerprint(job), job, spec.as_dict(), schema_to_json(input_schema),
                             sorted(json_columns), schema_to_json(schema), inspection.num_rows)
         plan = _Plan(spec, input_schema, json_columns, manifest, fresh=True)
@@ -226,6 +227,7 @@ class _Loop:
         self.options = options
         self.writer = writer
         self.logprobs = "logprobs" in writer.schema.names
+        self.prompt_logprobs = "prompt_logprobs" in writer.schema.names
         self.engine = engine
         self.metrics = metrics
         self.progress = progress
@@ -288,7 +290,7 @@ class _Loop:
         for output in self.engine.step():
             item = self.inflight.pop(output.request_id)
             self.record(item, sample_rows(item, output, self.options.save_token_ids,
-                                          self.logprobs))
+                                          self.logprobs, self.prompt_logprobs))
         self.metrics.observe_engine(self.engine.stats())
 
     def record(self, item: WorkItem, rows: list[dict[str, Any]]) -> None:

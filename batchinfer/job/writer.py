@@ -10,7 +10,7 @@ from batchinfer.job.errors import JobError
 from batchinfer.job.manifest import Manifest, OutputDir
 from batchinfer.job.prompts import PromptSpec, WorkItem
 from batchinfer.job.rangeset import RangeSet
-from batchinfer.outputs import CompletionOutput, RequestOutput
+from batchinfer.outputs import RequestOutput
 
 STAT_FIELDS = [
     pa.field("sample_index", pa.int32()),
@@ -32,16 +32,21 @@ LOGPROB_ENTRY = pa.struct([("token_id", pa.int32()), ("token", pa.string()),
                            ("logprob", pa.float32()), ("rank", pa.int32())])
 LOGPROB_FIELDS = [pa.field("cumulative_logprob", pa.float64()),
                   pa.field("logprobs", pa.list_(pa.list_(LOGPROB_ENTRY)))]
+# per prompt token (null for the first): the token's logprob first, then the top K there
+PROMPT_LOGPROB_FIELDS = [pa.field("prompt_logprob_sum", pa.float64()),
+                         pa.field("prompt_logprobs", pa.list_(pa.list_(LOGPROB_ENTRY)))]
 
 
 def output_schema(input_schema: pa.Schema, spec: PromptSpec, save_token_ids: bool,
-                  logprobs: bool) -> pa.Schema:
+                  logprobs: bool, prompt_logprobs: bool = False) -> pa.Schema:
     """Every input column unchanged, then `id`, the per-sample stats and optional lists."""
     added = [pa.field("id", _id_type(input_schema, spec)), *STAT_FIELDS]
     if save_token_ids:
         added += TOKEN_ID_FIELDS
     if logprobs:
         added += LOGPROB_FIELDS
+    if prompt_logprobs:
+        added += PROMPT_LOGPROB_FIELDS
     reuse_id = spec.id_column == "id"
     clash = [f.name for f in added if f.name in input_schema.names
              and not (f.name == "id" and reuse_id)]
@@ -72,7 +77,7 @@ def error_rows(item: WorkItem) -> list[dict[str, Any]]:
 
 
 def sample_rows(item: WorkItem, out: RequestOutput, save_token_ids: bool,
-                logprobs: bool) -> list[dict[str, Any]]:
+                logprobs: bool, prompt_logprobs: bool = False) -> list[dict[str, Any]]:
     """One row per completion of a finished request (one row if the request failed)."""
     prompt_tokens = len(out.prompt_token_ids) or None
     if out.error is not None:
@@ -93,16 +98,23 @@ def sample_rows(item: WorkItem, out: RequestOutput, save_token_ids: bool,
         if save_token_ids:
             row.update(prompt_token_ids=out.prompt_token_ids, token_ids=c.token_ids)
         if logprobs:
-            row.update(cumulative_logprob=c.cumulative_logprob, logprobs=_logprob_lists(c))
+            row.update(cumulative_logprob=c.cumulative_logprob,
+                       logprobs=_logprob_lists(c.logprobs))
+        if prompt_logprobs and out.prompt_logprobs is not None:
+            steps = out.prompt_logprobs
+            row.update(prompt_logprobs=_logprob_lists(steps),
+                       prompt_logprob_sum=sum(step[tid].logprob for tid, step in
+                                              zip(out.prompt_token_ids[1:], steps[1:])))
         rows.append(row)
     return rows
 
 
-def _logprob_lists(c: CompletionOutput) -> list[list[dict[str, Any]]] | None:
-    if c.logprobs is None:
+def _logprob_lists(steps: list[dict | None] | None) -> list[list[dict[str, Any]] | None] | None:
+    if steps is None:
         return None
-    return [[{"token_id": tid, "token": lp.decoded_token, "logprob": lp.logprob, "rank": lp.rank}
-             for tid, lp in step.items()] for step in c.logprobs]
+    return [None if step is None else
+            [{"token_id": tid, "token": lp.decoded_token, "logprob": lp.logprob, "rank": lp.rank}
+             for tid, lp in step.items()] for step in steps]
 
 
 def to_table(rows: list[dict[str, Any]], schema: pa.Schema,

@@ -461,3 +461,47 @@ def test_constraints_beyond_the_vocabulary_fail_the_request(llm):
                                      SamplingParams(max_tokens=2, temperature=0.0)])
     assert "allowed_token_ids must name token ids" in outs[0].error
     assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 2
+
+
+# ---- prompt logprobs ------------------------------------------------------------------
+
+def test_prompt_logprobs_match_transformers(model_dir):
+    from transformers import AutoModelForCausalLM
+    # a 64-token budget prefills the prompts in chunks; the second prompt shares the first's
+    # prefix, which a request asking prompt logprobs computes anyway
+    llm = LLM(model=str(model_dir), dtype="float32", max_num_batched_tokens=64)
+    prompts = [list(range(5, 150)), list(range(5, 120)) + [7, 8, 9]]
+    params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=1))  # fills the prefix cache
+    outs = llm.generate(prompts, params)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+        got = out.prompt_logprobs
+        assert len(got) == len(prompt) and got[0] is None
+        for p in range(1, len(prompt)):
+            entry = got[p]
+            assert entry[prompt[p]].logprob == pytest.approx(ref[p - 1, prompt[p]].item(), abs=1e-4)
+            assert entry[prompt[p]].rank == int((ref[p - 1] > ref[p - 1, prompt[p]]).sum()) + 1
+            best = int(ref[p - 1].argmax())
+            assert best in entry and entry[best].rank == 1
+            assert len(entry) <= 3  # the prompt token, then the top 2
+        assert out.num_cached_tokens == 0
+    plain = llm.generate(prompts[:1], SamplingParams(max_tokens=1))[0]
+    assert plain.prompt_logprobs is None and plain.num_cached_tokens > 0
+
+
+def test_prompt_logprobs_survive_preemption(model_dir):
+    llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=24, max_num_seqs=4)
+    prompts = [list(range(10 + i, 110 + i)) for i in range(4)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    outs = llm.generate(prompts, params)
+    assert llm.stats()["num_preemptions"] > 0
+    alone = [llm.generate([p], params)[0] for p in prompts]
+    for a, b in zip(outs, alone):
+        assert all(x is None for x in (a.prompt_logprobs[0], b.prompt_logprobs[0]))
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert x.keys() == y.keys() and len(x) == 1
+            (tid, lx), = x.items()
+            assert lx.logprob == pytest.approx(y[tid].logprob, abs=1e-5)

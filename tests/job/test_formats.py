@@ -228,6 +228,26 @@ def test_choice_and_per_line_constraints(tmp_path, run_cli, reference_llm):
     assert "regex are not supported" in rows[3]["error"]
 
 
+def test_prompt_logprobs_columns(tmp_path, run_cli, reference_llm):
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    check_ok(run_cli(tmp_path / "in.jsonl", "-o", tmp_path / "out", *SAMPLING_FLAGS,
+                     "--prompt-logprobs", "1"))
+    table = read_output(tmp_path / "out")
+    expected = reference_llm.generate(PROMPTS, GREEDY.clone(prompt_logprobs=1))
+    for row, out in zip(table.to_pylist(), expected):
+        steps = row["prompt_logprobs"]
+        assert steps[0] is None and len(steps) == len(out.prompt_token_ids)
+        firsts = [s[0] for s in steps[1:]]  # the prompt token first, then the top 1
+        assert [f["token_id"] for f in firsts] == out.prompt_token_ids[1:]
+        assert row["prompt_logprob_sum"] == pytest.approx(sum(f["logprob"] for f in firsts),
+                                                          abs=1e-3)
+        assert row["prompt_logprob_sum"] == pytest.approx(
+            sum(out.prompt_logprobs[i][t].logprob
+                for i, t in enumerate(out.prompt_token_ids) if i), abs=1e-3)
+    result = run_cli(tmp_path / "in.jsonl", "-o", tmp_path / "out2", "--prompt-logprobs", "-1")
+    assert result.exit_code == 2 and "--prompt-logprobs" in result.output
+
+
 def test_openai_batch_input_and_output(tmp_path, run_cli, reference_llm):
     lines = [
         {"custom_id": "chat-1", "method": "POST", "url": "/v1/chat/completions",
