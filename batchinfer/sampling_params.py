@@ -195,6 +195,9 @@ class SamplingParams:
                 raise ValueError("SamplingParams.structured_outputs with choice ends each "
                                  "completion with the end-of-sequence token: ignore_eos and "
                                  "min_tokens cannot be set with it")
+            if self.allowed_token_ids is not None:
+                raise ValueError("SamplingParams.structured_outputs and allowed_token_ids "
+                                 "cannot be combined; give one of them")
 
     @property
     def greedy(self) -> bool:

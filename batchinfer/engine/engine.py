@@ -104,6 +104,7 @@ class LLMEngine:
         self._failed: list[RequestOutput] = []
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
+        self._token_texts: dict[int, str] = {}
         self.num_steps = 0
 
     @classmethod
@@ -138,7 +139,10 @@ class LLMEngine:
         for i in range(params.n):
             child_params = params
             if params.n > 1:
-                child_params = params.clone(n=1, seed=None if params.seed is None else params.seed + i)
+                child_params = params.clone(
+                    n=1, seed=None if params.seed is None else params.seed + i,
+                    # the first sample scores the prompt; the others read the prefix cache
+                    prompt_logprobs=params.prompt_logprobs if i == 0 else None)
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             child = Request(child_id, token_ids, child_params, self.eos_token_ids,
                             self.max_model_len, arrival, request_id, i)
@@ -167,16 +171,38 @@ class LLMEngine:
                           ("allowed_token_ids", params.allowed_token_ids or ())):
             if any(t >= vocab for t in ids):
                 raise ValueError(f"{name} must name token ids in [0, {vocab})")
+        if params.allowed_token_ids is not None and params.min_tokens:
+            stops = set(params.stop_token_ids) | (set() if params.ignore_eos
+                                                  else set(self.eos_token_ids))
+            if set(params.allowed_token_ids) <= stops:
+                raise ValueError("allowed_token_ids holds only stop tokens, which min_tokens "
+                                 "forbids before it is reached")
 
     def _resolve_choices(self, params: SamplingParams) -> SamplingParams:
-        """params with its structured-output choices as token ids (a copy)."""
+        """params with its structured-output choices as token ids (a copy). Each choice is
+        encoded so that it decodes to exactly its text (a tokenizer that adds a leading
+        space on its own is encoded after a newline instead)."""
         if params.structured_outputs is None:
             return params
-        choices = [self.tokenizer.encode(c, add_special_tokens=False)
-                   for c in params.structured_outputs.choice]
-        if not all(choices):
-            raise ValueError("a structured-output choice encodes to no tokens")
+        choices = [self._choice_ids(c) for c in params.structured_outputs.choice]
+        vocab = self.model_config.vocab_size
+        for text, ids in zip(params.structured_outputs.choice, choices):
+            if any(t >= vocab or t in self.eos_token_ids or t in params.stop_token_ids
+                   for t in ids):
+                raise ValueError(f"choice {text!r} holds an end-of-sequence or stop token, "
+                                 "or a token beyond the model's vocabulary")
         return params.clone(choice_token_ids=choices)
+
+    def _choice_ids(self, text: str) -> list[int]:
+        encode, decode = self.tokenizer.encode, self.tokenizer.decode
+        ids = encode(text, add_special_tokens=False)
+        if ids and decode(ids) == text:
+            return ids
+        lead = encode("\n", add_special_tokens=False)
+        after = encode("\n" + text, add_special_tokens=False)
+        if after[:len(lead)] == lead and decode(after[len(lead):]) == text:
+            return after[len(lead):]
+        raise ValueError(f"choice {text!r} has no encoding that decodes to exactly that text")
 
     def _prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -303,9 +329,16 @@ class LLMEngine:
         for r, (tid, v) in enumerate(zip(top_ids[:k], values[:k])):
             record.setdefault(tid, Logprob(v, r + 1))
         for tid, lp in record.items():
-            lp.decoded_token = self.tokenizer.decode([tid])
+            lp.decoded_token = self._token_text(tid)
         req.logprobs.append(record)
         req.cumulative_logprob += values[-1]
+
+    def _token_text(self, token: int) -> str:
+        """One token decoded alone (the text logprobs report), cached per token id."""
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.tokenizer.decode([token])
+        return text
 
     def _record_prompt_logprobs(self, req: Request, first: int, rows) -> None:
         """Prompt positions first, first + 1, ...: each (top ids, values (+ the prompt
@@ -318,7 +351,7 @@ class LLMEngine:
             for r, (tid, v) in enumerate(zip(top_ids[:k], values[:k])):
                 record.setdefault(tid, Logprob(v, r + 1))
             for tid, lp in record.items():
-                lp.decoded_token = self.tokenizer.decode([tid])
+                lp.decoded_token = self._token_text(tid)
             req.prompt_logprobs[position] = record  # a recomputed chunk writes the same
 
     def _finish_child(self, req: Request) -> RequestOutput | None:

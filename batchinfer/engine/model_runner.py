@@ -39,6 +39,20 @@ class RunnerRequest:
         self.plain_greedy = (p.greedy and not p.uses_penalties and p.logprobs is None
                              and not p.min_tokens and not p.constrained)
         self.choices = ChoiceTrie(p.choice_token_ids) if p.choice_token_ids else None
+        self._constraint_tensors = None
+
+    def constraint_tensors(self, device: torch.device):
+        """(allowed ids, (bias ids, bias values)) as tensors on device, made once; None
+        for what the request does not set."""
+        if self._constraint_tensors is None:
+            p = self.params
+            allowed = (torch.tensor(p.allowed_token_ids, device=device)
+                       if p.allowed_token_ids is not None else None)
+            bias = ((torch.tensor(list(p.logit_bias), device=device),
+                     torch.tensor(list(p.logit_bias.values()), device=device))
+                    if p.logit_bias else None)
+            self._constraint_tensors = (allowed, bias)
+        return self._constraint_tensors
 
 
 class ChoiceTrie:
@@ -54,15 +68,15 @@ class ChoiceTrie:
                 node = node.setdefault(t, {})
             node[None] = True  # a choice ends here
 
-    def next_tokens(self, generated: list[int], eos_token_ids: frozenset[int]) -> set[int]:
+    def next_tokens(self, generated: list[int], eos_token_ids: frozenset[int]) -> list[int]:
         node = self.root
         for t in generated:
             node = node.get(t)
             if node is None:  # off the trie (cannot happen: every token came from it)
-                return set(eos_token_ids)
-        allowed = {t for t in node if t is not None}
+                return sorted(eos_token_ids)
+        allowed = [t for t in node if t is not None]
         if None in node:
-            allowed |= eos_token_ids
+            allowed += sorted(eos_token_ids)
         return allowed
 
 
@@ -356,35 +370,24 @@ class ModelRunner:
 
     def _constraints(self, states: list[RunnerRequest]):
         """(rows, token ids) that may be sampled where a row is restricted, and (rows, token
-        ids, values) of logit biases; None where no row has one."""
-        allowed_rows: list[int] = []
-        allowed_ids: list[int] = []
-        bias_rows: list[int] = []
-        bias_ids: list[int] = []
-        bias_values: list[float] = []
+        ids, values) of logit biases; None where no row has one. A request's fixed lists
+        become tensors once (RunnerRequest.constraint_tensors)."""
+        allowed_rows, allowed_ids, bias_rows, bias_ids, bias_values = [], [], [], [], []
         for i, s in enumerate(states):
-            p = s.params
-            allowed = None
+            allowed, bias = s.constraint_tensors(self.device)
             if s.choices is not None:
-                allowed = s.choices.next_tokens(s.token_ids[s.num_prompt_tokens:],
-                                                self.eos_token_ids)
-            if p.allowed_token_ids is not None:
-                allowed = (set(p.allowed_token_ids) if allowed is None
-                           else allowed & set(p.allowed_token_ids))
+                allowed = torch.tensor(s.choices.next_tokens(
+                    s.token_ids[s.num_prompt_tokens:], self.eos_token_ids), device=self.device)
             if allowed is not None:
-                if not allowed:
-                    raise ValueError("no token is allowed")  # checked where params are made
-                allowed_rows += [i] * len(allowed)
-                allowed_ids += sorted(allowed)
-            if p.logit_bias:
-                bias_rows += [i] * len(p.logit_bias)
-                bias_ids += list(p.logit_bias)
-                bias_values += list(p.logit_bias.values())
-        dev = self.device
-        allowed_t = ((torch.tensor(allowed_rows, device=dev), torch.tensor(allowed_ids, device=dev))
-                     if allowed_rows else None)
-        bias_t = ((torch.tensor(bias_rows, device=dev), torch.tensor(bias_ids, device=dev),
-                   torch.tensor(bias_values, device=dev)) if bias_rows else None)
+                allowed_rows.append(torch.full_like(allowed, i))
+                allowed_ids.append(allowed)
+            if bias is not None:
+                bias_rows.append(torch.full_like(bias[0], i))
+                bias_ids.append(bias[0])
+                bias_values.append(bias[1])
+        allowed_t = (torch.cat(allowed_rows), torch.cat(allowed_ids)) if allowed_rows else None
+        bias_t = ((torch.cat(bias_rows), torch.cat(bias_ids), torch.cat(bias_values))
+                  if bias_rows else None)
         return allowed_t, bias_t
 
     def _sampling_batch(self, states: list[RunnerRequest]) -> SamplingBatch:

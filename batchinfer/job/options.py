@@ -229,9 +229,15 @@ class JobOptions:
             return None
         path = Path(self.chat_template).expanduser()
         try:
-            return path.read_text(encoding="utf-8")
+            text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise JobError(f"--chat-template {self.chat_template}: cannot read it: {e}")
+        import jinja2  # transformers renders chat templates with it
+        try:
+            jinja2.Environment().parse(text)
+        except jinja2.TemplateSyntaxError as e:
+            raise JobError(f"--chat-template {self.chat_template}: line {e.lineno}: {e.message}")
+        return text
 
     def template_kwargs(self) -> dict[str, Any] | None:
         """--chat-template-kwargs: a JSON object of extra chat template variables."""

@@ -455,12 +455,47 @@ def test_constraint_mistakes_are_named():
         SamplingParams(structured_outputs={"choices": ["a"]})
 
 
-def test_constraints_beyond_the_vocabulary_fail_the_request(llm):
+def test_impossible_constraints_fail_their_request_alone(llm):
     vocab = llm.llm_engine.model_config.vocab_size
-    outs = llm.generate(["a", "b"], [SamplingParams(max_tokens=2, allowed_token_ids=[vocab]),
-                                     SamplingParams(max_tokens=2, temperature=0.0)])
+    eos = min(llm.llm_engine.eos_token_ids)
+    eos_text = llm.get_tokenizer().decode([eos])
+    bad = [SamplingParams(max_tokens=2, allowed_token_ids=[vocab]),
+           SamplingParams(max_tokens=4, allowed_token_ids=[eos], min_tokens=2),
+           SamplingParams(max_tokens=4, structured_outputs={"choice": [f"A{eos_text}B"]})]
+    outs = llm.generate(["a", "b", "c", "d"],
+                        [*bad, SamplingParams(max_tokens=2, temperature=0.0)])
     assert "allowed_token_ids must name token ids" in outs[0].error
-    assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 2
+    assert "only stop tokens, which min_tokens forbids" in outs[1].error
+    assert "holds an end-of-sequence or stop token" in outs[2].error
+    assert outs[3].error is None and len(outs[3].outputs[0].token_ids) == 2
+    with pytest.raises(ValueError, match="cannot be combined"):
+        SamplingParams(allowed_token_ids=[1], structured_outputs={"choice": ["a"]})
+
+
+def test_choices_decode_to_exactly_their_text(tmp_path, model_dir):
+    # a byte-level tokenizer that adds a leading space on its own: "no" encodes as " no"
+    import json as json_
+    model = tmp_path / "prefix-space"
+    shutil.copytree(model_dir, model)
+    tok = json_.loads((model / "tokenizer.json").read_text())
+    tok["pre_tokenizer"]["add_prefix_space"] = True
+    (model / "tokenizer.json").write_text(json_.dumps(tok))
+    llm = LLM(model=str(model), dtype="float32")
+    assert llm.get_tokenizer().decode(llm.get_tokenizer().encode(
+        "no", add_special_tokens=False)) == " no"
+    outs = llm.generate(["I think", "Maybe"], SamplingParams(
+        max_tokens=8, temperature=0.0, structured_outputs={"choice": ["yes", "no"]}))
+    assert all(o.outputs[0].text in ("yes", "no") for o in outs)
+
+
+def test_prompt_logprobs_with_n_samples_score_the_prompt_once(llm):
+    prompt = list(range(5, 200))
+    llm.llm_engine.num_prompt_tokens_computed = 0
+    out = llm.generate([prompt], SamplingParams(n=4, max_tokens=2, prompt_logprobs=0,
+                                                temperature=1.0, seed=1))[0]
+    assert len(out.prompt_logprobs) == len(prompt) and len(out.outputs) == 4
+    # the first sample computes the whole prompt; the rest read its cached blocks
+    assert llm.stats()["num_prompt_tokens_computed"] < 2 * len(prompt)
 
 
 # ---- prompt logprobs ------------------------------------------------------------------

@@ -93,6 +93,7 @@ def assert_fatal(result, *words: str) -> None:
     (["--system-prompt", "@/nonexistent/system.txt"], ["--system-prompt"]),
     (["--chat-template", "/nonexistent/template.jinja"], ["--chat-template", "cannot read"]),
     (["--choice", ""], ["--choice", "non-empty strings"]),
+    (["--chat-template", "BAD_TEMPLATE"], ["--chat-template", "line 1"]),
     (["--chat-template-kwargs", "enable_thinking=false"], ["--chat-template-kwargs", "JSON"]),
     (["--chat-template-kwargs", '["x"]'], ["--chat-template-kwargs", "must be an object"]),
     (["--chat-template-kwargs", '{"tokenize": true}'], ["cannot set tokenize"]),
@@ -104,7 +105,10 @@ def assert_fatal(result, *words: str) -> None:
 ])
 def test_bad_flag_values(tmp_path, run_cli, no_model_load, flags, words):
     (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
-    flags = [f.replace("OUT", str(tmp_path / "out")) for f in flags]
+    (tmp_path / "bad.jinja").write_text("{% for m in messages %}{{ m['content'] }}")
+    flags = [f.replace("OUT", str(tmp_path / "out")).replace("BAD_TEMPLATE",
+                                                             str(tmp_path / "bad.jinja"))
+             for f in flags]
     assert_fatal(run_cli(tmp_path / "in.jsonl", "-o", tmp_path / "out", *flags), *words)
     assert not (tmp_path / "out").exists()
 

@@ -86,7 +86,7 @@ def test_job_file_paths_types_and_overrides(tmp_path, monkeypatch):
     (jobs / "job.toml").write_text(
         'input = "data/in.jsonl"\noutput = "../out/job"\nmodel = "demo"\n'
         'system-prompt = "@system.txt"\nkv_cache_memory = "1GiB"\n'
-        'chat-template = "chat.jinja"\nchat-template-kwargs = \'{"enable_thinking": false}\'\n'
+        'chat-template = "chat.jinja"\nchat-template-kwargs = {enable_thinking = false}\n'
         '[sampling]\nmax-tokens = 8\ntemperature = 0.0\nstop = ["\\n"]\n')
     (jobs / "chat.jinja").write_text("{{ messages[0]['content'] }}")
     values = load_job_file(jobs / "job.toml")
