@@ -92,6 +92,8 @@ def _options(f):
         # The job
         O("--num-shards", type=click.IntRange(min=1),
           help="Split the input among this many independent runs (e.g. a Slurm array)."),
+        O("--data-parallel-size", type=click.IntRange(min=1),
+          help="Run N engines in N processes, each on its own GPUs and input shard."),
         O("--shard-index", type=click.IntRange(min=0),
           help="Which of --num-shards this run takes; it writes OUTDIR/shard-I-of-N."),
         O("--reorder-window", type=int,
@@ -180,7 +182,11 @@ def run(ctx: click.Context, input: str | None, config: str | None, **flags: Any)
         for name, value in flags.items():
             if value is not None and value != ():
                 values[name] = list(value) if isinstance(value, tuple) else value
-        result = run_job(JobOptions.from_dict(values))
+        options = JobOptions.from_dict(values)
+        if options.data_parallel_size > 1:
+            from batchinfer.job.data_parallel import run_data_parallel
+            ctx.exit(run_data_parallel(options))
+        result = run_job(options)
     except JobError as e:
         raise FatalError(str(e)) from None
     except KeyboardInterrupt:  # Ctrl-C while starting, before the job's own handling

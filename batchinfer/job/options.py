@@ -114,6 +114,7 @@ class JobOptions:
     # The job itself
     num_shards: int = 1
     shard_index: int | None = None
+    data_parallel_size: int = 1
     reorder_window: int = 4096
     commit_rows: int = 10000
     commit_seconds: float = 60.0
@@ -152,6 +153,7 @@ class JobOptions:
             ("metrics_interval", self.metrics_interval > 0, "must be > 0"),
             ("limit", self.limit is None or self.limit >= 0, "must be >= 0"),
             ("num_shards", self.num_shards >= 1, "must be >= 1"),
+            ("data_parallel_size", self.data_parallel_size >= 1, "must be >= 1"),
             ("shard_index", self.shard_index is None
              or 0 <= self.shard_index < max(self.num_shards, 1),
              f"must be in [0, --num-shards) = [0, {self.num_shards})"),

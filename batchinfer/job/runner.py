@@ -11,6 +11,7 @@ the loop after the current step; finished rows are committed and the exit code i
 from __future__ import annotations
 
 import functools
+import os
 import re
 import signal
 import sys
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from batchinfer.job.data_parallel import DP_CHILD
 from batchinfer.job.errors import JobError
 from batchinfer.job.manifest import Manifest, OutputDir, fingerprint, now_iso
 from batchinfer.job.metrics import JobMetrics
@@ -80,6 +82,8 @@ class StopSignals:
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.signum is not None:
+            if signum == signal.SIGTERM and os.environ.get(DP_CHILD):
+                return  # a data-parallel process: the launcher's SIGTERM may follow Slurm's
             signal.signal(signum, signal.SIG_DFL)
             signal.raise_signal(signum)
         self.signum = signum

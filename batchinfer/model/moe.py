@@ -4,9 +4,8 @@ A router picks each token's top-k experts; each expert is a SiLU-gated MLP. Toke
 grouped by expert (one sort), and each expert that received tokens runs two products on
 just those rows; the outputs, scaled by the routing weights, are added into the result in
 ascending expert order, as transformers' eager experts do, so float32 results match its
-sums. With
-tensor parallelism every rank holds a slice of every expert's intermediate dimension and
-the partial results are summed by one all-reduce per layer.
+sums. With tensor parallelism every rank holds a slice of every expert's intermediate
+dimension and the partial results are summed by one all-reduce per layer.
 
 On CUDA the experts run as two grouped Triton products (kernels/fused_moe.py) planned
 without host synchronisation, so decode steps are captured in CUDA graphs. Elsewhere a loop
@@ -99,7 +98,6 @@ class SparseMoE(nn.Module):
         # rows in expert order: each token's choices are added in ascending expert order
         out = torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))
         return TensorParallel.all_reduce(out)
-
 
     def fused(self, x: torch.Tensor) -> bool:
         if self.use_fused is not None:
