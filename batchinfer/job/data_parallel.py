@@ -66,16 +66,19 @@ def child_options(options: JobOptions) -> list[dict]:
              "data_parallel_size": 1, "progress": False} for j in range(size)]
 
 
-def run_data_parallel(options: JobOptions, err: TextIO | None = None) -> int:
+def run_data_parallel(options: JobOptions, out: TextIO | None = None,
+                      err: TextIO | None = None) -> int:
     """Run the job's data-parallel processes to the end; their exit code (the first
-    failure's, or 128 + the signal that stopped them)."""
-    err = err or sys.stderr
+    failure's, or 128 + the signal that stopped them). The processes' messages go to
+    stderr; one summary of all their shards goes to `out`."""
+    out, err = out or sys.stdout, err or sys.stderr
     options.validate()  # a mistake ends the run before any process starts
     envs = child_environments(options)
     procs = []
     for values, env in zip(child_options(options), envs):
         proc = subprocess.Popen([sys.executable, "-m", "batchinfer.job.data_parallel"],
-                                stdin=subprocess.PIPE, env=env, start_new_session=True)
+                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env,
+                                start_new_session=True)
         proc.stdin.write(json.dumps(values).encode())
         proc.stdin.close()
         procs.append(proc)
@@ -110,7 +113,31 @@ def run_data_parallel(options: JobOptions, err: TextIO | None = None) -> int:
         return failed
     if stopped:
         return 128 + stopped[0]
-    return next((c for c in codes if c != 0), 0)
+    code = next((c for c in codes if c != 0), 0)
+    if code == 0:
+        _print_summary(options, 0.0, out)
+    return code
+
+
+def _print_summary(options: JobOptions, wall_s: float, out: TextIO) -> None:
+    """One table over the rows of every shard these processes ran. Its wall time is the
+    longest shard's over all its runs (the shards run side by side)."""
+    from batchinfer.job.manifest import META_DIR
+    from batchinfer.job.shard import Shard
+    from batchinfer.job.summary import compute_summary, print_table
+    paths = []
+    for values in child_options(options):
+        directory = Shard(values["shard_index"], values["num_shards"]).directory(options.output)
+        paths += sorted(directory.glob("part-*.parquet"))
+        try:
+            shard_summary = json.loads((directory / META_DIR / "summary.json").read_text())
+            wall_s = max(wall_s, shard_summary.get("wall_s") or 0.0)
+        except (OSError, ValueError):
+            pass
+    summary = compute_summary(paths, wall_s)
+    print(f"batchinfer: {summary['rows']} rows ({summary['errors']} failed) in "
+          f"{options.output} ({options.data_parallel_size} data-parallel shards)", file=out)
+    print_table(summary, out)
 
 
 def _child_main() -> None:

@@ -67,6 +67,9 @@ def test_data_parallel_processes_split_stop_and_continue(tmp_path, job_model_dir
 
     final = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert final.returncode == 0, final.stderr
+    # one summary of both shards (the processes' own tables are not printed)
+    assert final.stdout.count("rows_per_s") == 1
+    assert f"batchinfer: {NUM_ROWS} rows (0 failed)" in final.stdout
     assert sorted(p.name for p in outdir.iterdir()) == ["shard-00000-of-00002",
                                                        "shard-00001-of-00002"]
     assert rows(outdir) == expected
