@@ -3,6 +3,7 @@ one process would, stop together on one signal and continue together."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -65,6 +66,16 @@ def test_data_parallel_processes_split_stop_and_continue(tmp_path, job_model_dir
     assert 0 < committed < NUM_ROWS
     assert len(rows(outdir)) == committed
 
+    assert "[shard 0] " in stderr and "[shard 1] " in stderr  # messages marked by shard
+    assert "batchinfer: stopped by SIGTERM" in stderr
+
+    # another split of the same OUTDIR is refused before any process starts
+    other = subprocess.run(command(job_model_dir, tmp_path / "in.jsonl", outdir,
+                                   "--data-parallel-size", "3"),
+                           capture_output=True, text=True, timeout=120)
+    assert other.returncode == 2 and "2-way split; this run makes 3" in other.stderr
+    assert "[shard" not in other.stderr
+
     final = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert final.returncode == 0, final.stderr
     # one summary of both shards (the processes' own tables are not printed)
@@ -84,6 +95,45 @@ def test_data_parallel_mistakes_end_before_any_process(tmp_path, job_model_dir):
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--max-tokens" in bad.stderr
     assert "data-parallel processes" not in bad.stderr and not (tmp_path / "o").exists()
+    textfile = subprocess.run(command(job_model_dir, tmp_path / "in.jsonl", tmp_path / "o",
+                                      "--data-parallel-size", "2", "--metrics-textfile",
+                                      tmp_path / "m.prom"),
+                              capture_output=True, text=True, timeout=120)
+    assert textfile.returncode == 2 and "use --metrics-port P instead" in textfile.stderr
+
+
+def test_a_killed_process_stops_the_run_and_is_named(tmp_path, job_model_dir):
+    with open(tmp_path / "in.jsonl", "w") as f:
+        for i in range(NUM_ROWS):
+            f.write(json.dumps({"prompt": f"Item {i}"}) + "\n")
+    outdir = tmp_path / "dp"
+    proc = subprocess.Popen(command(job_model_dir, tmp_path / "in.jsonl", outdir,
+                                    "--data-parallel-size", "2"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while done(outdir) == 0 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    children = children_of(proc.pid)
+    assert len(children) == 2
+    os.kill(children[0], signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGKILL, stderr
+    assert "was killed by SIGKILL; stopping the others" in stderr
+    assert not any(Path(f"/proc/{pid}").exists() and "Z" not in
+                   Path(f"/proc/{pid}/stat").read_text().split()[2] for pid in children[1:])
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is pid (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return sorted(found)
 
 
 def test_shards_and_devices_of_the_processes():
@@ -98,6 +148,8 @@ def test_shards_and_devices_of_the_processes():
     assert [(c["shard_index"], c["num_shards"], c["data_parallel_size"]) for c in children] \
         == [(2, 6, 1), (3, 6, 1)]
     assert all(c["progress"] is False for c in children)
+    ports = child_options(JobOptions(data_parallel_size=3, metrics_port=9400))
+    assert [c["metrics_port"] for c in ports] == [9400, 9401, 9402]
     envs = child_environments(options)
     assert len(envs) == 2 and all(e["BATCHINFER_DATA_PARALLEL_CHILD"] == "1" for e in envs)
     with pytest.raises(JobError, match="--device cuda:1 names one GPU"):
