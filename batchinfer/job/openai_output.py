@@ -20,7 +20,7 @@ from batchinfer.job.manifest import fsync_dir
 from batchinfer.job.prompts import COMPLETIONS_URL
 
 _COLUMNS = ("id", "sample_index", "url", "body", "completion", "finish_reason",
-            "prompt_tokens", "output_tokens", "error", "logprobs")
+            "prompt_tokens", "output_tokens", "error", "logprobs", "prompt_logprobs")
 
 
 def _rows(parts: list[tuple[Path, bool]]) -> Iterator[tuple[list[dict[str, Any]], bool]]:
@@ -91,6 +91,15 @@ def _logprobs_object(steps: list[list[dict[str, Any]]], k: int, is_chat: bool) -
             "text_offset": offsets}
 
 
+def _prompt_logprobs_list(steps: list[list[dict[str, Any]] | None]) -> list[dict | None]:
+    """vLLM's prompt_logprobs: per prompt token (null for the first), {token id: {logprob,
+    rank, decoded_token}} for the prompt token and the top ones there."""
+    return [None if step is None else
+            {str(e["token_id"]): {"logprob": e["logprob"], "rank": e["rank"],
+                                  "decoded_token": e["token"]} for e in step}
+            for step in steps]
+
+
 def response_line(group: list[dict[str, Any]], model: str, created: int,
                   default_logprobs: int | None = None,
                   sampled_first: bool = True) -> dict[str, Any]:
@@ -118,6 +127,8 @@ def response_line(group: list[dict[str, Any]], model: str, created: int,
             k = _top_k(first.get("body"), is_chat, default_logprobs)
             logprobs = _logprobs_object(steps, k, is_chat)
         choice.update(logprobs=logprobs, finish_reason=row["finish_reason"])
+        if not is_chat and row.get("prompt_logprobs") is not None:
+            choice["prompt_logprobs"] = _prompt_logprobs_list(row["prompt_logprobs"])
         choices.append(choice)
     prompt_tokens = first["prompt_tokens"] or 0
     completion_tokens = sum(r["output_tokens"] or 0 for r in group)
@@ -126,6 +137,8 @@ def response_line(group: list[dict[str, Any]], model: str, created: int,
             "created": created, "model": model, "choices": choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens}}
+    if is_chat and first.get("prompt_logprobs") is not None:  # vLLM puts it on the response
+        body["prompt_logprobs"] = _prompt_logprobs_list(first["prompt_logprobs"])
     line["response"] = {"status_code": 200, "request_id": request_id, "body": body}
     return line
 

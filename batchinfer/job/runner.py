@@ -125,10 +125,11 @@ def _plan(options: JobOptions, source: Source, outdir: OutputDir) -> _Plan:
             check_kinds(spec, set(inspection.types.kinds[spec.column]))
         input_schema, json_columns = inspection.schema(spec.restrict())
         check_types(spec, input_schema)
-        # OpenAI Batch lines may each ask for logprobs: their columns are always there
+        # OpenAI Batch lines may each ask for logprobs and prompt logprobs: their columns
+        # are always there
         schema = output_schema(input_schema, spec, options.save_token_ids,
                                options.logprobs is not None or spec.mode == "openai",
-                               options.prompt_logprobs is not None)
+                               options.prompt_logprobs is not None or spec.mode == "openai")
         manifest = Manifest(fingerprint(job), job, spec.as_dict(), schema_to_json(input_schema),
                             sorted(json_columns), schema_to_json(schema), inspection.num_rows)
         plan = _Plan(spec, input_schema, json_columns, manifest, fresh=True)

@@ -352,6 +352,53 @@ def test_openai_batch_lines_ask_for_logprobs_themselves(tmp_path, run_cli, refer
     assert rerun_choices()["chat"]["logprobs"] is None
 
 
+def test_openai_batch_lines_ask_for_prompt_logprobs(tmp_path, run_cli, reference_llm):
+    messages = [{"role": "user", "content": "Hello"}]
+    lines = [
+        {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": messages, "max_tokens": 2, "temperature": 0,
+                  "prompt_logprobs": 1}},
+        {"custom_id": "cmpl", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "Once upon a time", "max_tokens": 2, "temperature": 0,
+                  "prompt_logprobs": 2}},
+        {"custom_id": "plain", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "Once upon a time", "max_tokens": 2, "temperature": 0}},
+        {"custom_id": "bad", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "Once upon a time", "prompt_logprobs": -3}},
+    ]
+    (tmp_path / "batch.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    check_ok(run_cli(tmp_path / "batch.jsonl", "-o", tmp_path / "out", "--output-format",
+                     "openai"))
+    by_id = {r["id"]: r for r in read_output(tmp_path / "out").to_pylist()}
+    assert by_id["plain"]["prompt_logprobs"] is None
+    assert by_id["bad"]["finish_reason"] == "error" and "prompt_logprobs" in by_id["bad"]["error"]
+    ref = reference_llm.generate(["Once upon a time"],
+                                 SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2))[0]
+    steps = by_id["cmpl"]["prompt_logprobs"]
+    assert steps[0] is None and len(steps) == len(ref.prompt_token_ids)
+    assert [s[0]["token_id"] for s in steps[1:]] == ref.prompt_token_ids[1:]
+
+    out_lines = [json.loads(s) for s in
+                 (tmp_path / "out" / "__batchinfer__" / "openai_output.jsonl").read_text().splitlines()]
+    bodies = {o["custom_id"]: o["response"]["body"] for o in out_lines}
+    listed = bodies["cmpl"]["choices"][0]["prompt_logprobs"]
+    assert listed[0] is None and len(listed) == len(ref.prompt_token_ids)
+    for i, (token, step) in enumerate(zip(ref.prompt_token_ids, ref.prompt_logprobs)):
+        if i == 0:
+            continue
+        entry = listed[i][str(token)]
+        assert entry["logprob"] == pytest.approx(step[token].logprob, abs=1e-5)
+        assert entry["rank"] == step[token].rank
+        assert entry["decoded_token"] == step[token].decoded_token
+        assert {int(t) for t in listed[i]} == set(step)  # the prompt token and the top 2
+    chat = bodies["chat"]
+    assert "prompt_logprobs" not in chat["choices"][0]
+    assert chat["prompt_logprobs"][0] is None
+    assert len(chat["prompt_logprobs"]) == by_id["chat"]["prompt_tokens"]
+    assert "prompt_logprobs" not in bodies["plain"] \
+        and "prompt_logprobs" not in bodies["plain"]["choices"][0]
+
+
 def test_output_reads_with_datasets(tmp_path, run_cli):
     import datasets
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
