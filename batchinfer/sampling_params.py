@@ -62,6 +62,9 @@ class SamplingParams:
     logprobs: int | None = None
     # per prompt token: its logprob given the tokens before it, and the top k there
     prompt_logprobs: int | None = None
+    # keep only the last k prompt tokens (left truncation); -1: as many as max_model_len
+    # leaves room for (one output position after them)
+    truncate_prompt_tokens: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # added to the logits of these token ids (OpenAI's logit_bias, in [-100, 100])
@@ -136,6 +139,9 @@ class SamplingParams:
         real("frequency_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]")
         integer("logprobs", 0, optional=True)
         integer("prompt_logprobs", 0, optional=True)
+        integer("truncate_prompt_tokens", -1, optional=True)
+        if self.truncate_prompt_tokens == 0:
+            raise bad("truncate_prompt_tokens", "must be >= 1, or -1 (as many as fit)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"SamplingParams.stop must be non-empty strings, got {self.stop!r}")
         ids = [int(t) if isinstance(t, float) and t.is_integer() else t

@@ -125,7 +125,7 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         token_ids: list[int] = []
         try:
-            token_ids = self._prompt_token_ids(prompt)
+            token_ids = self._truncate(self._prompt_token_ids(prompt), params)
             self.check_params(params)
             params = self._resolve_choices(params)
             if len(token_ids) >= self.max_model_len:
@@ -155,6 +155,16 @@ class LLMEngine:
         for child in children:
             self.requests[child.request_id] = child
             self.scheduler.add_request(child)
+
+    def _truncate(self, token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The last truncate_prompt_tokens of the prompt (-1: the last max_model_len - 1,
+        which leaves one position for output), as vLLM truncates."""
+        keep = params.truncate_prompt_tokens
+        if keep is None:
+            return token_ids
+        if keep == -1:
+            keep = self.max_model_len - 1
+        return token_ids[-keep:] if len(token_ids) > keep else token_ids
 
     def check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: the bounds this model's vocabulary sets

@@ -71,6 +71,8 @@ def _options(f):
         O("--logprobs", type=int, help="Save the top-K logprobs of each token (adds columns)."),
         O("--prompt-logprobs", type=int,
           help="Save each prompt token's logprob and the top K there (adds columns)."),
+        O("--truncate-prompt-tokens", type=int,
+          help="Keep only the last K prompt tokens (-1: as many as --max-model-len allows)."),
         O("--include-stop-str-in-output/--no-include-stop-str-in-output", default=None),
         O("--skip-special-tokens/--no-skip-special-tokens", default=None),
         # EngineConfig

@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 SAMPLING_OPTIONS = (
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
     "stop_token_ids", "ignore_eos", "repetition_penalty", "presence_penalty",
-    "frequency_penalty", "logprobs", "prompt_logprobs", "include_stop_str_in_output",
+    "frequency_penalty", "logprobs", "prompt_logprobs", "truncate_prompt_tokens",
+    "include_stop_str_in_output",
     "skip_special_tokens",
 )
 # Option name -> EngineConfig field (None = the engine's default).
@@ -87,6 +88,7 @@ class JobOptions:
     stop_token_ids: list[int] | None = None
     choice: list[str] | None = None
     prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
     ignore_eos: bool | None = None
     repetition_penalty: float | None = None
     presence_penalty: float | None = None

@@ -32,7 +32,7 @@ OPENAI_SAMPLING = {
     "skip_special_tokens": "skip_special_tokens", "logit_bias": "logit_bias",
     # vLLM's extensions: allowed tokens, and a completion that is one of a list of strings
     "allowed_token_ids": "allowed_token_ids", "structured_outputs": "structured_outputs",
-    "prompt_logprobs": "prompt_logprobs",
+    "prompt_logprobs": "prompt_logprobs", "truncate_prompt_tokens": "truncate_prompt_tokens",
 }
 _TEXT_TYPES = (pa.string(), pa.large_string(), pa.null())
 

@@ -540,3 +540,27 @@ def test_prompt_logprobs_survive_preemption(model_dir):
             assert x.keys() == y.keys() and len(x) == 1
             (tid, lx), = x.items()
             assert lx.logprob == pytest.approx(y[tid].logprob, abs=1e-5)
+
+
+# ---- prompt truncation ----------------------------------------------------------------
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(model_dir):
+    llm = LLM(model=str(model_dir), dtype="float32", max_model_len=64, num_kv_blocks=64)
+    prompt = list(range(5, 105))  # 100 tokens: longer than max_model_len
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    too_long = llm.generate([prompt], greedy)[0]
+    assert too_long.outputs[0].finish_reason == "error" and "max_model_len" in too_long.error
+    cut = llm.generate([prompt], greedy.clone(truncate_prompt_tokens=20))[0]
+    tail = llm.generate([prompt[-20:]], greedy)[0]
+    assert cut.prompt_token_ids == prompt[-20:]
+    assert cut.outputs[0].token_ids == tail.outputs[0].token_ids
+    # -1: as many as fit, leaving one position for output
+    fit = llm.generate([prompt], greedy.clone(truncate_prompt_tokens=-1))[0]
+    assert fit.prompt_token_ids == prompt[-63:]
+    assert fit.outputs[0].finish_reason == "length" and len(fit.outputs[0].token_ids) == 1
+    short = llm.generate([prompt[:10]], greedy.clone(truncate_prompt_tokens=20))[0]
+    assert short.prompt_token_ids == prompt[:10]  # shorter prompts are left as they are
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=0)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=-2)

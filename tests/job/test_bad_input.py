@@ -62,6 +62,24 @@ def test_corrupted_jsonl_keeps_good_rows_and_flags_bad_ones(tmp_path, run_cli, r
     assert summary["prompt_tokens"] == sum(rows[i]["prompt_tokens"] for i in (0, 4, 12))
 
 
+def test_truncate_prompt_tokens_runs_long_rows(tmp_path, run_cli, reference_llm):
+    long_prompt = " ".join(["word"] * 200)
+    rows = [{"prompt": long_prompt}, {"prompt": GOOD[0]}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = run_cli(tmp_path / "in.jsonl", "-o", tmp_path / "out", "--max-tokens", "4",
+                     "--temperature", "0", "--max-model-len", "64",
+                     "--truncate-prompt-tokens", "32")
+    assert result.exit_code == 0, result.output
+    got = {r["id"]: r for r in ds.dataset(tmp_path / "out").to_table().to_pylist()}
+    assert got[0]["error"] is None and got[0]["prompt_tokens"] == 32
+    ids = reference_llm.get_tokenizer().encode(long_prompt)
+    expected = reference_llm.generate([ids[-32:], GOOD[0]],
+                                      SamplingParams(max_tokens=4, temperature=0))
+    assert [got[0]["completion"], got[1]["completion"]] == [o.outputs[0].text for o in expected]
+    bad = run_cli(tmp_path / "in.jsonl", "-o", tmp_path / "out2", "--truncate-prompt-tokens", "0")
+    assert bad.exit_code == 2 and "--truncate-prompt-tokens" in bad.output
+
+
 @pytest.fixture
 def no_model_load(monkeypatch):
     """Any attempt to load an engine fails the test: fatal errors must come first."""

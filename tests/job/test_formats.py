@@ -365,6 +365,9 @@ def test_openai_batch_lines_ask_for_prompt_logprobs(tmp_path, run_cli, reference
          "body": {"prompt": "Once upon a time", "max_tokens": 2, "temperature": 0}},
         {"custom_id": "bad", "method": "POST", "url": "/v1/completions",
          "body": {"prompt": "Once upon a time", "prompt_logprobs": -3}},
+        {"custom_id": "cut", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "Once upon a time", "max_tokens": 2, "truncate_prompt_tokens": 2,
+                  "prompt_logprobs": 0}},
     ]
     (tmp_path / "batch.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     check_ok(run_cli(tmp_path / "batch.jsonl", "-o", tmp_path / "out", "--output-format",
@@ -372,6 +375,7 @@ def test_openai_batch_lines_ask_for_prompt_logprobs(tmp_path, run_cli, reference
     by_id = {r["id"]: r for r in read_output(tmp_path / "out").to_pylist()}
     assert by_id["plain"]["prompt_logprobs"] is None
     assert by_id["bad"]["finish_reason"] == "error" and "prompt_logprobs" in by_id["bad"]["error"]
+    assert by_id["cut"]["prompt_tokens"] == 2 and len(by_id["cut"]["prompt_logprobs"]) == 2
     ref = reference_llm.generate(["Once upon a time"],
                                  SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2))[0]
     steps = by_id["cmpl"]["prompt_logprobs"]
