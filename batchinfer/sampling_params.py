@@ -62,8 +62,8 @@ class SamplingParams:
     logprobs: int | None = None
     # per prompt token: its logprob given the tokens before it, and the top k there
     prompt_logprobs: int | None = None
-    # keep only the last k prompt tokens (left truncation); -1: as many as max_model_len
-    # leaves room for (one output position after them)
+    # keep only the last k prompt tokens (left truncation); -1: as many as leave room for
+    # max_tokens within max_model_len
     truncate_prompt_tokens: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True

@@ -157,18 +157,23 @@ class LLMEngine:
             self.scheduler.add_request(child)
 
     def _truncate(self, token_ids: list[int], params: SamplingParams) -> list[int]:
-        """The last truncate_prompt_tokens of the prompt (-1: the last max_model_len - 1,
-        which leaves one position for output), as vLLM truncates."""
+        """The last truncate_prompt_tokens of the prompt, as vLLM truncates; -1: as many as
+        leave room for max_tokens within max_model_len (at least one)."""
         keep = params.truncate_prompt_tokens
         if keep is None:
             return token_ids
         if keep == -1:
-            keep = self.max_model_len - 1
+            keep = max(1, self.max_model_len - (params.max_tokens or 1))
         return token_ids[-keep:] if len(token_ids) > keep else token_ids
 
     def check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: the bounds this model's vocabulary sets
         (ValueError)."""
+        keep = params.truncate_prompt_tokens
+        if keep is not None and keep >= self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens {keep} leaves no room for output: "
+                             f"max_model_len is {self.max_model_len} (use at most "
+                             f"{self.max_model_len - 1}, or -1)")
         vocab = self.model_config.vocab_size
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)

@@ -72,8 +72,10 @@ def fingerprint(job: dict[str, Any]) -> str:
 def real_differences(recorded: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """The settings that make `new` another job than the `recorded` one, leaving out what
     only looks different: a setting the record does not hold (a job description that names
-    fewer things is taken as agreeing on the rest), a model or tokenizer path naming the same
-    directory, and input files recorded without a content digest that agree on path and size."""
+    fewer things is taken as agreeing on the rest), except a sampling setting that `new`
+    gives a value (added since the record was made, it would change the rows still to
+    come), a model or tokenizer path naming the same directory, and input files recorded
+    without a content digest that agree on path and size."""
     def same_dir(a: Any, b: Any) -> bool:
         return (isinstance(a, str) and isinstance(b, str) and Path(a).expanduser().is_dir()
                 and Path(a).expanduser().resolve() == Path(b).expanduser().resolve())
@@ -86,9 +88,16 @@ def real_differences(recorded: dict[str, Any], new: dict[str, Any]) -> list[str]
             at = at[key]
         return True
 
+    def value(job: dict[str, Any], name: str) -> Any:
+        for key in name.split("."):
+            job = job.get(key) if isinstance(job, dict) else None
+        return job
+
     out = []
     for name in job_differences(recorded, new):
         if not recorded_holds(name):
+            if name.startswith("sampling.") and value(new, name) not in (None, False, [], {}):
+                out.append(name)
             continue
         if name in ("model", "tokenizer") and same_dir(recorded[name], new[name]):
             continue

@@ -66,6 +66,11 @@ def _top_k(body: Any, is_chat: bool, default: int | None) -> int:
     return default or 0
 
 
+def _finite(logprob: float) -> float:
+    """A logprob JSON can hold: -inf becomes -9999.0, as vLLM's server writes it."""
+    return max(logprob, -9999.0)
+
+
 def _logprobs_object(steps: list[list[dict[str, Any]]], k: int, is_chat: bool) -> dict:
     """OpenAI's logprobs object from the logprobs column (per token: the sampled token's
     entry first, then the top entries by rank)."""
@@ -77,7 +82,7 @@ def _logprobs_object(steps: list[list[dict[str, Any]]], k: int, is_chat: bool) -
             # a token that is part of a character decodes to U+FFFD: its own bytes are not
             # in the column, and OpenAI allows null
             token = e["token"]
-            return {"token": token, "logprob": e["logprob"],
+            return {"token": token, "logprob": _finite(e["logprob"]),
                     "bytes": None if "\ufffd" in token else list(token.encode("utf-8"))}
         return {"content": [{**entry(step[0]), "top_logprobs": [entry(e) for e in top(step)]}
                             for step in steps]}
@@ -86,16 +91,19 @@ def _logprobs_object(steps: list[list[dict[str, Any]]], k: int, is_chat: bool) -
         offsets.append(at)
         at += len(step[0]["token"])
     return {"tokens": [step[0]["token"] for step in steps],
-            "token_logprobs": [step[0]["logprob"] for step in steps],
-            "top_logprobs": [{e["token"]: e["logprob"] for e in top(step)} for step in steps],
+            "token_logprobs": [_finite(step[0]["logprob"]) for step in steps],
+            "top_logprobs": [{e["token"]: _finite(e["logprob"]) for e in top(step)}
+                             for step in steps],
             "text_offset": offsets}
 
 
-def _prompt_logprobs_list(steps: list[list[dict[str, Any]] | None]) -> list[dict | None]:
+def _prompt_logprobs_list(steps: list[list[dict[str, Any]] | None] | None) -> list | None:
     """vLLM's prompt_logprobs: per prompt token (null for the first), {token id: {logprob,
     rank, decoded_token}} for the prompt token and the top ones there."""
+    if steps is None:
+        return None
     return [None if step is None else
-            {str(e["token_id"]): {"logprob": e["logprob"], "rank": e["rank"],
+            {str(e["token_id"]): {"logprob": _finite(e["logprob"]), "rank": e["rank"],
                                   "decoded_token": e["token"]} for e in step}
             for step in steps]
 
@@ -127,8 +135,8 @@ def response_line(group: list[dict[str, Any]], model: str, created: int,
             k = _top_k(first.get("body"), is_chat, default_logprobs)
             logprobs = _logprobs_object(steps, k, is_chat)
         choice.update(logprobs=logprobs, finish_reason=row["finish_reason"])
-        if not is_chat and row.get("prompt_logprobs") is not None:
-            choice["prompt_logprobs"] = _prompt_logprobs_list(row["prompt_logprobs"])
+        if not is_chat:  # vLLM's field, null unless the line asked
+            choice["prompt_logprobs"] = _prompt_logprobs_list(row.get("prompt_logprobs"))
         choices.append(choice)
     prompt_tokens = first["prompt_tokens"] or 0
     completion_tokens = sum(r["output_tokens"] or 0 for r in group)
@@ -137,8 +145,8 @@ def response_line(group: list[dict[str, Any]], model: str, created: int,
             "created": created, "model": model, "choices": choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens}}
-    if is_chat and first.get("prompt_logprobs") is not None:  # vLLM puts it on the response
-        body["prompt_logprobs"] = _prompt_logprobs_list(first["prompt_logprobs"])
+    if is_chat:  # vLLM puts it on the response, null unless the line asked
+        body["prompt_logprobs"] = _prompt_logprobs_list(first.get("prompt_logprobs"))
     line["response"] = {"status_code": 200, "request_id": request_id, "body": body}
     return line
 

@@ -288,7 +288,11 @@ class _Loop:
         while len(self.window) and len(self.inflight) < self.target:
             item = self.window.pop()
             request_id = str(item.row.index)
-            self.engine.add_request(request_id, item.prompt, item.params)
+            params = item.params
+            if params.prompt_logprobs is not None and not self.prompt_logprobs:
+                # an OpenAI line's ask, in a job whose output predates the columns
+                params = params.clone(prompt_logprobs=None)
+            self.engine.add_request(request_id, item.prompt, params)
             self.inflight[request_id] = item
 
     def step(self) -> None:

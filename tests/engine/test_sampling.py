@@ -554,10 +554,13 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(model_dir):
     tail = llm.generate([prompt[-20:]], greedy)[0]
     assert cut.prompt_token_ids == prompt[-20:]
     assert cut.outputs[0].token_ids == tail.outputs[0].token_ids
-    # -1: as many as fit, leaving one position for output
+    # -1: as many as leave room for max_tokens
     fit = llm.generate([prompt], greedy.clone(truncate_prompt_tokens=-1))[0]
-    assert fit.prompt_token_ids == prompt[-63:]
-    assert fit.outputs[0].finish_reason == "length" and len(fit.outputs[0].token_ids) == 1
+    assert fit.prompt_token_ids == prompt[-60:]
+    assert fit.outputs[0].finish_reason == "length" and len(fit.outputs[0].token_ids) == 4
+    no_room = llm.generate([prompt[:10]], greedy.clone(truncate_prompt_tokens=64))[0]
+    assert no_room.outputs[0].finish_reason == "error"
+    assert "truncate_prompt_tokens 64" in no_room.error
     short = llm.generate([prompt[:10]], greedy.clone(truncate_prompt_tokens=20))[0]
     assert short.prompt_token_ids == prompt[:10]  # shorter prompts are left as they are
     with pytest.raises(ValueError, match="truncate_prompt_tokens"):

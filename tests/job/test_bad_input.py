@@ -76,8 +76,16 @@ def test_truncate_prompt_tokens_runs_long_rows(tmp_path, run_cli, reference_llm)
     expected = reference_llm.generate([ids[-32:], GOOD[0]],
                                       SamplingParams(max_tokens=4, temperature=0))
     assert [got[0]["completion"], got[1]["completion"]] == [o.outputs[0].text for o in expected]
-    bad = run_cli(tmp_path / "in.jsonl", "-o", tmp_path / "out2", "--truncate-prompt-tokens", "0")
-    assert bad.exit_code == 2 and "--truncate-prompt-tokens" in bad.output
+    fit = run_cli(tmp_path / "in.jsonl", "-o", tmp_path / "fit", "--max-tokens", "4",
+                  "--temperature", "0", "--max-model-len", "64", "--ignore-eos",
+                  "--truncate-prompt-tokens", "-1")
+    assert fit.exit_code == 0, fit.output
+    row = next(r for r in ds.dataset(tmp_path / "fit").to_table().to_pylist() if r["id"] == 0)
+    assert row["prompt_tokens"] == 60 and row["output_tokens"] == 4  # room for max_tokens
+    for value in ("0", "64"):  # 64 leaves no room for output within --max-model-len 64
+        bad = run_cli(tmp_path / "in.jsonl", "-o", tmp_path / f"bad{value}", "--max-model-len",
+                      "64", "--truncate-prompt-tokens", value)
+        assert bad.exit_code == 2 and "--truncate-prompt-tokens" in bad.output, bad.output
 
 
 @pytest.fixture

@@ -371,11 +371,13 @@ def test_openai_batch_lines_ask_for_prompt_logprobs(tmp_path, run_cli, reference
     ]
     (tmp_path / "batch.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     check_ok(run_cli(tmp_path / "batch.jsonl", "-o", tmp_path / "out", "--output-format",
-                     "openai"))
+                     "openai", "--save-token-ids"))
     by_id = {r["id"]: r for r in read_output(tmp_path / "out").to_pylist()}
     assert by_id["plain"]["prompt_logprobs"] is None
     assert by_id["bad"]["finish_reason"] == "error" and "prompt_logprobs" in by_id["bad"]["error"]
-    assert by_id["cut"]["prompt_tokens"] == 2 and len(by_id["cut"]["prompt_logprobs"]) == 2
+    full_ids = reference_llm.get_tokenizer().encode("Once upon a time")
+    assert by_id["cut"]["prompt_token_ids"] == full_ids[-2:]  # the last two
+    assert len(by_id["cut"]["prompt_logprobs"]) == 2
     ref = reference_llm.generate(["Once upon a time"],
                                  SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2))[0]
     steps = by_id["cmpl"]["prompt_logprobs"]
@@ -398,9 +400,14 @@ def test_openai_batch_lines_ask_for_prompt_logprobs(tmp_path, run_cli, reference
     chat = bodies["chat"]
     assert "prompt_logprobs" not in chat["choices"][0]
     assert chat["prompt_logprobs"][0] is None
-    assert len(chat["prompt_logprobs"]) == by_id["chat"]["prompt_tokens"]
-    assert "prompt_logprobs" not in bodies["plain"] \
-        and "prompt_logprobs" not in bodies["plain"]["choices"][0]
+    column = by_id["chat"]["prompt_logprobs"]
+    assert len(chat["prompt_logprobs"]) == len(column) == by_id["chat"]["prompt_tokens"]
+    for listed_step, step in zip(chat["prompt_logprobs"][1:], column[1:]):
+        assert listed_step == {str(e["token_id"]): {
+            "logprob": pytest.approx(e["logprob"]), "rank": e["rank"],
+            "decoded_token": e["token"]} for e in step}
+    assert [s[0]["token_id"] for s in column[1:]] == by_id["chat"]["prompt_token_ids"][1:]
+    assert bodies["plain"]["choices"][0]["prompt_logprobs"] is None  # null, as vLLM writes
 
 
 def test_output_reads_with_datasets(tmp_path, run_cli):

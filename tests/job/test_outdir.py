@@ -200,3 +200,18 @@ def test_a_job_recorded_with_fewer_settings_continues(tmp_path):
     manifest_path.write_text(json.dumps(manifest))
     result = run_fake(fake_job(tmp_path, limit=12))
     assert result.exit_code == 0 and result.summary["rows"] == 12
+
+
+def test_a_sampling_setting_the_record_lacks_must_be_left_unset(tmp_path):
+    # a job recorded before a sampling setting existed continues while the setting stays
+    # unset; given a value, it would change the rows still to come: another job
+    assert run_fake(fake_job(tmp_path, limit=10)).exit_code == 0
+    manifest_path = tmp_path / "out" / "__batchinfer__" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    del manifest["job"]["sampling"]["truncate_prompt_tokens"]
+    manifest["fingerprint"] = "recorded-before-the-setting"
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(JobError, match="sampling.truncate_prompt_tokens"):
+        run_fake(fake_job(tmp_path, limit=12, truncate_prompt_tokens=4))
+    result = run_fake(fake_job(tmp_path, limit=12))
+    assert result.exit_code == 0 and result.summary["rows"] == 12
