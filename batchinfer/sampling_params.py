@@ -10,8 +10,9 @@ from dataclasses import dataclass, field, replace
 class StructuredOutputsParams:
     """Constraints on what a completion may be, with vLLM's names. `choice`: the
     completion is exactly one of these strings (each as the tokenizer encodes it), then
-    the end-of-sequence token. JSON schemas, regular expressions and grammars are not
-    supported."""
+    the end-of-sequence token. `regex`: the whole completion matches this pattern (a
+    subset of Python's syntax, see batchinfer/engine/regex_guide.py), then the
+    end-of-sequence token. JSON schemas and grammars are not supported."""
 
     choice: list[str] | None = None
     json: object = None
@@ -19,11 +20,16 @@ class StructuredOutputsParams:
     grammar: str | None = None
 
     def __post_init__(self) -> None:
-        unsupported = [name for name in ("json", "regex", "grammar")
-                       if getattr(self, name) is not None]
+        unsupported = [name for name in ("json", "grammar") if getattr(self, name) is not None]
         if unsupported:
             raise ValueError(f"structured outputs by {', '.join(unsupported)} are not "
-                             "supported; only choice is")
+                             "supported; only choice and regex are")
+        if self.regex is not None:
+            if self.choice is not None:
+                raise ValueError("StructuredOutputsParams: give one of choice and regex")
+            from batchinfer.engine.regex_guide import RegexAutomaton
+            RegexAutomaton(self.regex)  # refuses what it cannot match, naming it
+            return
         choice = self.choice
         if (choice is None or isinstance(choice, (str, bytes, dict))
                 or not hasattr(choice, "__iter__")):
@@ -72,8 +78,10 @@ class SamplingParams:
     # only these token ids may be sampled
     allowed_token_ids: list[int] | None = None
     structured_outputs: StructuredOutputsParams | None = None
-    # the choices as token ids, set by the engine (the tokenizer lives there)
+    # the choices as token ids, or the regex's guide, set by the engine (the tokenizer
+    # lives there)
     choice_token_ids: list[list[int]] | None = field(default=None, repr=False)
+    regex_guide: object = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -198,8 +206,8 @@ class SamplingParams:
                 raise ValueError("SamplingParams.structured_outputs must be a "
                                  "StructuredOutputsParams")
             if self.ignore_eos or self.min_tokens:
-                raise ValueError("SamplingParams.structured_outputs with choice ends each "
-                                 "completion with the end-of-sequence token: ignore_eos and "
+                raise ValueError("SamplingParams.structured_outputs ends each completion "
+                                 "with the end-of-sequence token: ignore_eos and "
                                  "min_tokens cannot be set with it")
             if self.allowed_token_ids is not None:
                 raise ValueError("SamplingParams.structured_outputs and allowed_token_ids "

@@ -13,6 +13,7 @@ from batchinfer.config import DTYPES, EngineConfig, check_device
 from batchinfer.engine.detokenizer import IncrementalDetokenizer
 from batchinfer.engine.kv_cache_manager import KVCacheManager
 from batchinfer.engine.model_runner import ModelRunner
+from batchinfer.engine.regex_guide import RegexGuide, TokenTrie, token_bytes
 from batchinfer.engine.request import Request, RequestStatus
 from batchinfer.engine.scheduler import Scheduler
 from batchinfer.engine.tensor_parallel import (RunnerArgs, TensorParallelGroup, WorkerError,
@@ -23,6 +24,9 @@ from batchinfer.model.parallel import TensorParallel
 from batchinfer.model.rope import short_context_limit
 from batchinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from batchinfer.sampling_params import SamplingParams
+
+# distinct regex patterns whose guides (and the DFA states they reached) are kept
+MAX_REGEX_GUIDES = 64
 
 
 @dataclass
@@ -105,6 +109,8 @@ class LLMEngine:
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
         self._token_texts: dict[int, str] = {}
+        self._regex_guides: dict[str, RegexGuide] = {}
+        self._token_trie: tuple[TokenTrie, list[bytes | None]] | None = None
         self.num_steps = 0
 
     @classmethod
@@ -199,6 +205,8 @@ class LLMEngine:
         space on its own is encoded after a newline instead)."""
         if params.structured_outputs is None:
             return params
+        if params.structured_outputs.regex is not None:
+            return params.clone(regex_guide=self._regex_guide(params.structured_outputs.regex))
         choices = [self._choice_ids(c) for c in params.structured_outputs.choice]
         vocab = self.model_config.vocab_size
         for text, ids in zip(params.structured_outputs.choice, choices):
@@ -207,6 +215,26 @@ class LLMEngine:
                 raise ValueError(f"choice {text!r} holds an end-of-sequence or stop token, "
                                  "or a token beyond the model's vocabulary")
         return params.clone(choice_token_ids=choices)
+
+    def _regex_guide(self, pattern: str) -> RegexGuide:
+        """The pattern's guide, kept for the next requests with it (the most recent
+        MAX_REGEX_GUIDES patterns); the vocabulary's byte trie is built on first use."""
+        if self.tensor_parallel is not None:
+            raise ValueError("structured outputs by regex are not supported with tensor "
+                             "parallelism")
+        guide = self._regex_guides.pop(pattern, None)
+        if guide is None:
+            if self._token_trie is None:
+                pieces = token_bytes(self.tokenizer)
+                vocab = self.model_config.vocab_size
+                pieces = [None if i >= vocab or i in self.eos_token_ids else p
+                          for i, p in enumerate(pieces[:vocab])]
+                self._token_trie = (TokenTrie(pieces), pieces)
+            guide = RegexGuide(pattern, *self._token_trie)
+            if len(self._regex_guides) >= MAX_REGEX_GUIDES:
+                self._regex_guides.pop(next(iter(self._regex_guides)))
+        self._regex_guides[pattern] = guide
+        return guide
 
     def _choice_ids(self, text: str) -> list[int]:
         encode, decode = self.tokenizer.encode, self.tokenizer.decode

@@ -14,6 +14,7 @@ from batchinfer.attention import AttentionMetadata, get_attention_backend
 from batchinfer.config import EngineConfig
 from batchinfer.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from batchinfer.engine.host_memory import keep_freed_memory
+from batchinfer.engine.regex_guide import RegexMatcher
 from batchinfer.engine.sampler import Sampler, SamplingBatch
 from batchinfer.engine.scheduler import SchedulerOutput
 from batchinfer.model import cpu_linear
@@ -38,7 +39,8 @@ class RunnerRequest:
         # argmax is all this request ever needs from the sampler
         self.plain_greedy = (p.greedy and not p.uses_penalties and p.logprobs is None
                              and not p.min_tokens and not p.constrained)
-        self.choices = ChoiceTrie(p.choice_token_ids) if p.choice_token_ids else None
+        self.choices = (ChoiceTrie(p.choice_token_ids) if p.choice_token_ids
+                        else RegexMatcher(p.regex_guide) if p.regex_guide is not None else None)
         self._constraint_tensors = None
 
     def constraint_tensors(self, device: torch.device):
@@ -68,16 +70,17 @@ class ChoiceTrie:
                 node = node.setdefault(t, {})
             node[None] = True  # a choice ends here
 
-    def next_tokens(self, generated: list[int], eos_token_ids: frozenset[int]) -> list[int]:
+    def next_tokens(self, generated: list[int], eos_token_ids: frozenset[int],
+                    device: torch.device) -> torch.Tensor:
         node = self.root
         for t in generated:
             node = node.get(t)
             if node is None:  # off the trie (cannot happen: every token came from it)
-                return sorted(eos_token_ids)
+                return torch.tensor(sorted(eos_token_ids), device=device)
         allowed = [t for t in node if t is not None]
         if None in node:
             allowed += sorted(eos_token_ids)
-        return allowed
+        return torch.tensor(allowed, device=device)
 
 
 @dataclass
@@ -376,8 +379,8 @@ class ModelRunner:
         for i, s in enumerate(states):
             allowed, bias = s.constraint_tensors(self.device)
             if s.choices is not None:
-                allowed = torch.tensor(s.choices.next_tokens(
-                    s.token_ids[s.num_prompt_tokens:], self.eos_token_ids), device=self.device)
+                allowed = s.choices.next_tokens(s.token_ids[s.num_prompt_tokens:],
+                                                self.eos_token_ids, self.device)
             if allowed is not None:
                 allowed_rows.append(torch.full_like(allowed, i))
                 allowed_ids.append(allowed)

@@ -65,6 +65,8 @@ def _options(f):
         O("--stop-token-ids", type=int, multiple=True, help="Stop token id (repeatable)."),
         O("--choice", multiple=True,
           help="Every completion is exactly one of these strings (repeatable)."),
+        O("--regex", metavar="PATTERN",
+          help="Every completion matches this regular expression."),
         O("--ignore-eos/--no-ignore-eos", default=None),
         O("--repetition-penalty", type=float), O("--presence-penalty", type=float),
         O("--frequency-penalty", type=float),

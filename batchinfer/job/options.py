@@ -87,6 +87,7 @@ class JobOptions:
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
     choice: list[str] | None = None
+    regex: str | None = None
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
     ignore_eos: bool | None = None
@@ -195,14 +196,20 @@ class JobOptions:
 
     def sampling_params(self) -> SamplingParams:
         kwargs = {k: getattr(self, k) for k in SAMPLING_OPTIONS if getattr(self, k) is not None}
+        if self.choice and self.regex is not None:
+            raise JobError("--choice and --regex cannot be combined; give one of them")
         if self.choice:
             kwargs["structured_outputs"] = {"choice": list(self.choice)}
+        if self.regex is not None:
+            kwargs["structured_outputs"] = {"regex": self.regex}
         try:
             return SamplingParams(**kwargs)
         except (ValueError, TypeError) as e:
             message = re.sub(r"(SamplingParams|StructuredOutputsParams)\.(\w+)",
                              lambda m: flag(m.group(2)), str(e))
-            raise JobError(message.replace("--structured-outputs", "--choice"))
+            constraint = "--regex" if self.regex is not None else "--choice"
+            message = message.replace("--structured-outputs", constraint)
+            raise JobError(re.sub(r"^regex ", "--regex ", message))
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of LLMEngine.from_kwargs, without `model`."""

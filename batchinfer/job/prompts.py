@@ -236,8 +236,10 @@ class PromptBuilder:
     def _openai_params(self, body: dict) -> SamplingParams:
         changes = {OPENAI_SAMPLING[k]: v for k, v in body.items()
                    if k in OPENAI_SAMPLING and v is not None}
-        if body.get("guided_choice") is not None:  # vLLM's older name
+        if body.get("guided_choice") is not None:  # vLLM's older names
             changes["structured_outputs"] = {"choice": body["guided_choice"]}
+        if body.get("guided_regex") is not None:
+            changes["structured_outputs"] = {"regex": body["guided_regex"]}
         top = body.get("top_logprobs")
         logprobs = body.get("logprobs")
         if isinstance(logprobs, bool):

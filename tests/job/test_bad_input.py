@@ -119,6 +119,8 @@ def assert_fatal(result, *words: str) -> None:
     (["--system-prompt", "@/nonexistent/system.txt"], ["--system-prompt"]),
     (["--chat-template", "/nonexistent/template.jinja"], ["--chat-template", "cannot read"]),
     (["--choice", ""], ["--choice", "non-empty strings"]),
+    (["--regex", "(?=x)"], ["--regex", "lookarounds"]),
+    (["--regex", "a", "--choice", "b"], ["--choice and --regex"]),
     (["--chat-template", "BAD_TEMPLATE"], ["--chat-template", "line 1"]),
     (["--chat-template-kwargs", "enable_thinking=false"], ["--chat-template-kwargs", "JSON"]),
     (["--chat-template-kwargs", '["x"]'], ["--chat-template-kwargs", "must be an object"]),

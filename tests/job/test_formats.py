@@ -3,6 +3,7 @@ every input column unchanged, and the documented output columns."""
 from __future__ import annotations
 
 import json
+import re
 
 import pyarrow as pa
 import pyarrow.dataset as ds
@@ -216,7 +217,9 @@ def test_choice_and_per_line_constraints(tmp_path, run_cli, reference_llm):
     bodies = [{"guided_choice": ["yes", "no"]},
               {"structured_outputs": {"choice": ["red", "green"]}},
               {"logit_bias": {str(forced): 100}, "max_tokens": 2},
-              {"structured_outputs": {"regex": "[a-z]+"}}]
+              {"structured_outputs": {"regex": "(cat|dog)s?"}, "max_tokens": 12},
+              {"guided_regex": "[0-9]{2}-[a-z]", "max_tokens": 12},
+              {"structured_outputs": {"json": {"type": "object"}}}]
     lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
               "body": {"prompt": "Answer:", "temperature": 0, "max_tokens": 5, **b}}
              for i, b in enumerate(bodies)]
@@ -225,7 +228,18 @@ def test_choice_and_per_line_constraints(tmp_path, run_cli, reference_llm):
     rows = read_output(tmp_path / "out2").to_pylist()
     assert rows[0]["completion"] in ("yes", "no") and rows[1]["completion"] in ("red", "green")
     assert rows[2]["token_ids"] == [forced, forced]
-    assert "regex are not supported" in rows[3]["error"]
+    assert re.fullmatch("(cat|dog)s?", rows[3]["completion"])
+    assert re.fullmatch("[0-9]{2}-[a-z]", rows[4]["completion"])
+    assert "json are not supported" in rows[5]["error"]
+
+    # --regex: every completion matches
+    check_ok(run_cli(tmp_path / "in.jsonl", "-o", tmp_path / "out3", *SAMPLING_FLAGS,
+                     "--max-tokens", "32", "--regex", r"[A-Z]{2}-\d{3}"))
+    table = read_output(tmp_path / "out3")
+    expected = reference_llm.generate(PROMPTS, GREEDY.clone(
+        max_tokens=32, structured_outputs={"regex": r"[A-Z]{2}-\d{3}"}))
+    assert table.column("completion").to_pylist() == [o.outputs[0].text for o in expected]
+    assert all(re.fullmatch(r"[A-Z]{2}-\d{3}", c) for c in table.column("completion").to_pylist())
 
 
 def test_prompt_logprobs_columns(tmp_path, run_cli, reference_llm):

@@ -1,0 +1,96 @@
+"""Completions constrained by a regular expression: the byte automaton against Python's
+re, the vocabulary's bytes, and the engine's outputs matching their pattern."""
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+
+import pytest
+
+from batchinfer import LLM, SamplingParams
+from batchinfer.engine.regex_guide import RegexAutomaton, token_bytes
+
+PATTERNS = [r"\d+", r"(yes|no)", r"[A-Z][a-z]{2,4}", r"\d{3}-\d{4}", r"(ab|a)*c?", r"[^abc]+",
+            r".{1,3}x", r"\w+@\w+\.com", r"(?:foo|bar)+\s?", r"[-+]?\d*\.?\d+", r"é[a-cà]*",
+            r"[\d\s]+", r"a{2}b{0,2}", r"^x(y|z)$", r"\S+", r"[.]\.", r"(a|b)*?c", r"\{x\}",
+            r"[\]a]+", r"\u00e9|\x41", r"(?P<word>ab)+"]
+
+
+def test_automaton_agrees_with_python_re():
+    alphabet = list("abcxyzABC019 -+.@é\n]{}àÿ日") + ["foo", "bar", ".com", "ab"]
+    rng = random.Random(0)
+    for pattern in PATTERNS:
+        automaton, python = RegexAutomaton(pattern), re.compile(pattern, re.ASCII)
+        matched = 0
+        for _ in range(2000):
+            text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 8)))
+            expected = python.fullmatch(text) is not None
+            assert automaton.matches(text.encode()) == expected, (pattern, text)
+            matched += expected
+        for text in ("123", "yes", "Abcd", "555-1234", "abaab", "xyé", "éàx", "a@b.com",
+                     "foobar ", "-1.5", "éàa", "xz", "日本", "A", "abab"):
+            assert automaton.matches(text.encode()) == (python.fullmatch(text) is not None)
+
+
+@pytest.mark.parametrize("pattern, what", [
+    (r"(?=a)", "lookarounds"), (r"a\1", r"\1"), (r"\b", r"\b"), (r"a^b", "'^'"),
+    (r"(?i)a", "flags"), ("[", "missing ]"), ("a{2,1}", "bad repeat"), ("*a", "nothing to repeat"),
+    (r"[^é]", "non-ASCII"), ("a{2000}", "above"), ("", "non-empty")])
+def test_unsupported_patterns_are_refused_by_name(pattern, what):
+    with pytest.raises(ValueError, match=re.escape(what)):
+        RegexAutomaton(pattern)
+    with pytest.raises(ValueError):
+        SamplingParams(structured_outputs={"regex": pattern})
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir: Path) -> LLM:
+    return LLM(model=str(llama_dir), dtype="float32", seed=0)
+
+
+def test_token_bytes_are_what_tokens_add_to_a_text(llm):
+    tokenizer = llm.get_tokenizer()
+    pieces = token_bytes(tokenizer)
+    assert len(pieces) == len(tokenizer)
+    for text in ("The river runs, 42 times.", "café — naïve 日本語", "  two  spaces\nline"):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert b"".join(pieces[t] for t in ids) == text.encode()
+    assert all(pieces[t] is None for t in tokenizer.all_special_ids)
+
+
+@pytest.mark.parametrize("pattern", [
+    r"\d{3}-\d{4}", r"(yes|no|maybe)", r"[A-Z][a-z]{1,5} [0-9]{1,2}",
+    r"\{\"label\": \"(pos|neg)\", \"score\": 0\.\d{2}\}", r"é+[a-c]{2}", r"(ha){1,4}!?"])
+def test_completions_match_their_pattern(llm, pattern):
+    prompts = ["The river runs", "Once upon a time", "A short note on", "Hello"]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=48, temperature=1.0, seed=7, n=2,
+                                                structured_outputs={"regex": pattern}))
+    for out in outs:
+        for sample in out.outputs:
+            assert sample.finish_reason == "stop", (pattern, sample.text)
+            assert re.fullmatch(pattern, sample.text), (pattern, sample.text)
+    greedy = llm.generate(prompts[:1], SamplingParams(max_tokens=48, temperature=0.0,
+                                                      structured_outputs={"regex": pattern}))
+    assert re.fullmatch(pattern, greedy[0].outputs[0].text)
+
+
+def test_regex_guides_are_kept_per_pattern_and_refused_where_unsupported(llm):
+    engine = llm.llm_engine
+    first = engine._regex_guide(r"\d+")
+    assert engine._regex_guide(r"\d+") is first and engine._regex_guide(r"[ab]") is not first
+    for i in range(80):  # a bounded number of patterns is kept, the most recent
+        engine._regex_guide(f"x{{{i}}}")
+    assert len(engine._regex_guides) <= 64 and r"\d+" not in engine._regex_guides
+    saved, engine.tensor_parallel = engine.tensor_parallel, object()
+    try:
+        out = llm.generate(["Hi"], SamplingParams(structured_outputs={"regex": "a+"}))[0]
+        assert out.outputs[0].finish_reason == "error" and "tensor parallelism" in out.error
+    finally:
+        engine.tensor_parallel = saved
+    with pytest.raises(ValueError, match="ignore_eos"):
+        SamplingParams(ignore_eos=True, structured_outputs={"regex": r"\d+"})
+    with pytest.raises(ValueError, match="one of choice and regex"):
+        SamplingParams(structured_outputs={"regex": r"\d+", "choice": ["a"]})
+    with pytest.raises(ValueError, match="json"):
+        SamplingParams(structured_outputs={"json": {"type": "object"}})
