@@ -12,7 +12,9 @@ class StructuredOutputsParams:
     completion is exactly one of these strings (each as the tokenizer encodes it), then
     the end-of-sequence token. `regex`: the whole completion matches this pattern (a
     subset of Python's syntax, see batchinfer/engine/regex_guide.py), then the
-    end-of-sequence token. JSON schemas and grammars are not supported."""
+    end-of-sequence token. `json`: a JSON schema (an object, or its JSON text); the
+    completion is an instance, written compactly (see batchinfer/engine/json_schema.py).
+    Grammars are not supported."""
 
     choice: list[str] | None = None
     json: object = None
@@ -20,15 +22,16 @@ class StructuredOutputsParams:
     grammar: str | None = None
 
     def __post_init__(self) -> None:
-        unsupported = [name for name in ("json", "grammar") if getattr(self, name) is not None]
-        if unsupported:
-            raise ValueError(f"structured outputs by {', '.join(unsupported)} are not "
-                             "supported; only choice and regex are")
-        if self.regex is not None:
-            if self.choice is not None:
-                raise ValueError("StructuredOutputsParams: give one of choice and regex")
-            from batchinfer.engine.regex_guide import RegexAutomaton
-            RegexAutomaton(self.regex)  # refuses what it cannot match, naming it
+        if self.grammar is not None:
+            raise ValueError("structured outputs by grammar are not supported; choice, "
+                             "regex and json are")
+        given = [name for name in ("choice", "regex", "json") if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"StructuredOutputsParams: give one of choice, regex and json, "
+                             f"not {' and '.join(given)}")
+        if self.regex is not None or self.json is not None:
+            from batchinfer.engine.regex_guide import check_pattern
+            check_pattern(self.pattern())  # refuses what it cannot match, naming it
             return
         choice = self.choice
         if (choice is None or isinstance(choice, (str, bytes, dict))
@@ -39,6 +42,14 @@ class StructuredOutputsParams:
         if not self.choice or any(not isinstance(c, str) or not c for c in self.choice):
             raise ValueError(f"StructuredOutputsParams.choice must be non-empty strings, got "
                              f"{self.choice!r}")
+
+
+    def pattern(self) -> str:
+        """The regex a regex or json constraint compiles to."""
+        if self.regex is not None:
+            return self.regex
+        from batchinfer.engine.json_schema import json_schema_regex
+        return json_schema_regex(self.json)
 
 
 @dataclass

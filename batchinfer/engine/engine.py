@@ -205,8 +205,8 @@ class LLMEngine:
         space on its own is encoded after a newline instead)."""
         if params.structured_outputs is None:
             return params
-        if params.structured_outputs.regex is not None:
-            return params.clone(regex_guide=self._regex_guide(params.structured_outputs.regex))
+        if params.structured_outputs.choice is None:  # a regex, or a JSON schema's
+            return params.clone(regex_guide=self._regex_guide(params.structured_outputs.pattern()))
         choices = [self._choice_ids(c) for c in params.structured_outputs.choice]
         vocab = self.model_config.vocab_size
         for text, ids in zip(params.structured_outputs.choice, choices):

@@ -372,10 +372,11 @@ class ModelRunner:
         return out
 
     def _constraints(self, states: list[RunnerRequest]):
-        """(rows, token ids) that may be sampled where a row is restricted, and (rows, token
+        """(rows, token ids that may be sampled there, the restricted rows) and (rows, token
         ids, values) of logit biases; None where no row has one. A request's fixed lists
         become tensors once (RunnerRequest.constraint_tensors)."""
         allowed_rows, allowed_ids, bias_rows, bias_ids, bias_values = [], [], [], [], []
+        restricted = []
         for i, s in enumerate(states):
             allowed, bias = s.constraint_tensors(self.device)
             if s.choices is not None:
@@ -384,11 +385,14 @@ class ModelRunner:
             if allowed is not None:
                 allowed_rows.append(torch.full_like(allowed, i))
                 allowed_ids.append(allowed)
+                restricted.append(i)
             if bias is not None:
                 bias_rows.append(torch.full_like(bias[0], i))
                 bias_ids.append(bias[0])
                 bias_values.append(bias[1])
-        allowed_t = (torch.cat(allowed_rows), torch.cat(allowed_ids)) if allowed_rows else None
+        allowed_t = ((torch.cat(allowed_rows), torch.cat(allowed_ids),
+                      torch.tensor(restricted, device=self.device))
+                     if allowed_rows else None)
         bias_t = ((torch.cat(bias_rows), torch.cat(bias_ids), torch.cat(bias_values))
                   if bias_rows else None)
         return allowed_t, bias_t

@@ -16,17 +16,24 @@ bytes are walked as a trie (shared prefixes once), and each state's allowed set 
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 
 import torch
 
 _MAX_REPEAT = 1000
+_CONT = (0x80, 0xBF)
+# the byte ranges of well-formed multi-byte UTF-8 characters (Unicode table 3-7)
+_UTF8_MULTIBYTE = [((0xC2, 0xDF), _CONT), ((0xE0, 0xE0), (0xA0, 0xBF), _CONT),
+                   ((0xE1, 0xEC), _CONT, _CONT), ((0xED, 0xED), (0x80, 0x9F), _CONT),
+                   ((0xEE, 0xEF), _CONT, _CONT), ((0xF0, 0xF0), (0x90, 0xBF), _CONT, _CONT),
+                   ((0xF1, 0xF3), _CONT, _CONT, _CONT), ((0xF4, 0xF4), (0x80, 0x8F), _CONT, _CONT)]
 _ALL_BYTES = (1 << 256) - 1
 _DIGITS = frozenset("0123456789")
 _WORD = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
 _SPACE = frozenset(" \t\n\r\f\v")
-_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "0": "\0"}
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v"}
 
 
 @dataclass(frozen=True)
@@ -98,12 +105,25 @@ class _Parser:
             elif self.peek() == "+":
                 raise self.fail("possessive quantifiers are not supported")
             node = ("rep", node, low, high)
+            if self.peek() is not None and self.peek() in "*+?" or (
+                    self.peek() == "{" and self.braces_ahead()):
+                raise self.fail("multiple repeat")
         return node
+
+    def braces_ahead(self) -> bool:
+        """Whether a {m,n} quantifier starts here (else "{" is a literal)."""
+        saved = self.i
+        try:
+            return self.braces() is not None
+        finally:
+            self.i = saved
 
     def braces(self) -> tuple[int, int | None] | None:
         end = self.p.find("}", self.i)
         body = self.p[self.i + 1:end] if end > 0 else ""
         low, comma, high = body.partition(",")
+        if comma and low == "" and high.isdigit():
+            low = "0"  # {,n}, as Python reads it
         if end < 0 or not low.isdigit() or not (high.isdigit() or high == ""):
             return None
         self.i = end + 1
@@ -154,6 +174,11 @@ class _Parser:
             return _CharSet(classes[c])
         if c.lower() in classes:
             return _CharSet(classes[c.lower()], negated=True)
+        if c == "0":  # \0, \0o, \0oo: octal, as in Python
+            digits = "0"
+            while len(digits) < 3 and self.peek() is not None and self.peek() in "01234567":
+                digits += self.take()
+            return _CharSet(frozenset(chr(int(digits, 8))))
         if c in _ESCAPES:
             return _CharSet(frozenset(_ESCAPES[c]))
         if c in "xu":
@@ -302,26 +327,34 @@ class _NFA:
             at = nxt
 
     def any_multibyte(self, start: int, end: int) -> None:
-        """Any UTF-8 character of two to four bytes."""
-        def mask(lo: int, hi: int) -> int:
-            return ((1 << (hi + 1)) - 1) & ~((1 << lo) - 1)
-        cont = mask(0x80, 0xBF)
-        for lead, n in ((mask(0xC2, 0xDF), 1), (mask(0xE0, 0xEF), 2), (mask(0xF0, 0xF4), 3)):
-            at = self.state()
-            self.edges[start].append((lead, at))
-            for j in range(n):
-                nxt = end if j == n - 1 else self.state()
-                self.edges[at].append((cont, nxt))
+        """Any well-formed UTF-8 character of two to four bytes (no overlong forms, no
+        surrogates, nothing above U+10FFFF)."""
+        for ranges in _UTF8_MULTIBYTE:
+            at = start
+            for j, (lo, hi) in enumerate(ranges):
+                nxt = end if j == len(ranges) - 1 else self.state()
+                self.edges[at].append((((1 << (hi + 1)) - 1) & ~((1 << lo) - 1), nxt))
                 at = nxt
+
+
+def _parse(pattern: str):
+    if not isinstance(pattern, str) or not pattern:
+        raise ValueError(f"regex must be a non-empty string, got {pattern!r}")
+    return _Parser(pattern).parse()
+
+
+@functools.lru_cache(maxsize=256)
+def check_pattern(pattern: str) -> None:
+    """Raise ValueError naming what in the pattern is not supported (parsing only: the
+    automaton is built once per pattern, by the engine)."""
+    _parse(pattern)
 
 
 class RegexAutomaton:
     """The pattern's DFA over bytes, built lazily. State 0 is the start; -1 is dead."""
 
     def __init__(self, pattern: str):
-        if not isinstance(pattern, str) or not pattern:
-            raise ValueError(f"regex must be a non-empty string, got {pattern!r}")
-        tree = _Parser(pattern).parse()
+        tree = _parse(pattern)
         self.nfa = _NFA()
         start, self.accept = self.nfa.build(tree)
         self.sets: list[frozenset[int]] = []
@@ -393,6 +426,8 @@ def token_bytes(tokenizer) -> list[bytes | None]:
     decoder = json.loads(backend.to_str()).get("decoder") if backend is not None else None
     byte_level = "ByteLevel" in json.dumps(decoder)
     special = set(getattr(tokenizer, "all_special_ids", ()))
+    special |= {tid for tid, added in getattr(tokenizer, "added_tokens_decoder", {}).items()
+                if getattr(added, "special", False)}
     size = len(tokenizer)
     pieces = tokenizer.convert_ids_to_tokens(list(range(size)))
     table = _byte_decoder() if byte_level else None
@@ -442,8 +477,10 @@ class RegexGuide:
         self.automaton = RegexAutomaton(pattern)
         self.trie = trie
         self.pieces = pieces
-        self._allowed: dict[int, list[int]] = {}
+        # per state and device, the allowed ids (end-of-sequence included where it
+        # accepts); states with the same set share one tensor
         self._tensors: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._shared: dict[tuple[bytes, torch.device], torch.Tensor] = {}
 
     def advance(self, state: int, token: int) -> int:
         data = self.pieces[token] if 0 <= token < len(self.pieces) else None
@@ -456,21 +493,19 @@ class RegexGuide:
         return state
 
     def allowed(self, state: int) -> list[int]:
-        """Token ids (not end-of-sequence) whose bytes keep a match possible from state."""
-        ids = self._allowed.get(state)
-        if ids is None:
-            ids = []
-            step, children, ends = self.automaton.step, self.trie.children, self.trie.ends
-            todo = [(0, state)]
-            while todo:
-                node, at = todo.pop()
-                for b, child in children[node].items():
-                    nxt = step(at, b)
-                    if nxt >= 0:
-                        ids.extend(ends[child])
-                        todo.append((child, nxt))
-            ids.sort()
-            self._allowed[state] = ids
+        """Token ids (not end-of-sequence) whose bytes keep a match possible from state:
+        one walk of the vocabulary's byte trie, pruned where the automaton dies."""
+        ids: list[int] = []
+        step, children, ends = self.automaton.step, self.trie.children, self.trie.ends
+        todo = [(0, state)]
+        while todo:
+            node, at = todo.pop()
+            for b, child in children[node].items():
+                nxt = step(at, b)
+                if nxt >= 0:
+                    ids.extend(ends[child])
+                    todo.append((child, nxt))
+        ids.sort()
         return ids
 
 
@@ -484,7 +519,12 @@ class RegexGuide:
             allowed = self.allowed(state) if state >= 0 else []
             if state < 0 or self.automaton.accepting[state] or not allowed:
                 allowed = allowed + sorted(eos_token_ids)
-            ids = self._tensors[key] = torch.tensor(allowed, dtype=torch.long, device=device)
+            packed = torch.tensor(allowed, dtype=torch.int32)
+            ids = self._shared.get((packed.numpy().tobytes(), device))
+            if ids is None:
+                ids = self._shared[(packed.numpy().tobytes(), device)] = \
+                    packed.to(device=device, dtype=torch.long)
+            self._tensors[key] = ids
         return ids
 
 

@@ -136,9 +136,9 @@ def _constrain(logits: torch.Tensor, allowed, bias) -> torch.Tensor:
         rows, ids, values = bias
         logits.index_put_((rows, ids), values.to(logits.dtype), accumulate=True)
     if allowed is not None:
-        rows, ids = allowed
+        rows, ids, restricted = allowed  # restricted: each restricted row once
         keep = logits[rows, ids]
-        logits[torch.unique(rows)] = float("-inf")
+        logits[restricted] = float("-inf")
         logits[rows, ids] = keep
     return logits
 

@@ -67,6 +67,8 @@ def _options(f):
           help="Every completion is exactly one of these strings (repeatable)."),
         O("--regex", metavar="PATTERN",
           help="Every completion matches this regular expression."),
+        O("--json-schema", metavar="JSON",
+          help="Every completion is a JSON instance of this schema (@FILE reads a file)."),
         O("--ignore-eos/--no-ignore-eos", default=None),
         O("--repetition-penalty", type=float), O("--presence-penalty", type=float),
         O("--frequency-penalty", type=float),

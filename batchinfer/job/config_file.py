@@ -16,8 +16,8 @@ from typing import Any
 from batchinfer.job.errors import JobError
 
 _PATH_KEYS = ("input", "output", "metrics_textfile", "chat_template")
-# the option whose TOML value is a table of its own (the flag takes it as JSON)
-_TABLE_VALUED = "chat_template_kwargs"
+# the options whose TOML value is a table of their own (the flags take it as JSON)
+_TABLE_VALUED = ("chat_template_kwargs", "json_schema")
 
 
 def load_job_file(path: str | Path) -> dict[str, Any]:
@@ -33,12 +33,12 @@ def load_job_file(path: str | Path) -> dict[str, Any]:
         raise JobError(f"--config {path}: invalid TOML: {e}") from None
     values: dict[str, Any] = {}
     for key, value in data.items():
-        if key.replace("-", "_") == _TABLE_VALUED and isinstance(value, dict):
-            value = json.dumps(value)  # a TOML table of template variables, not a section
+        if key.replace("-", "_") in _TABLE_VALUED and isinstance(value, dict):
+            value = json.dumps(value)  # a TOML table of values, not a section
         items = value.items() if isinstance(value, dict) else [(key, value)]
         for name, v in items:
             name = name.replace("-", "_")
-            if name == _TABLE_VALUED and isinstance(v, dict):
+            if name in _TABLE_VALUED and isinstance(v, dict):
                 v = json.dumps(v)
             if name in values:
                 raise JobError(f"--config {path}: {name!r} is given twice")

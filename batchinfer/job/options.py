@@ -88,6 +88,7 @@ class JobOptions:
     stop_token_ids: list[int] | None = None
     choice: list[str] | None = None
     regex: str | None = None
+    json_schema: str | None = None
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
     ignore_eos: bool | None = None
@@ -196,19 +197,24 @@ class JobOptions:
 
     def sampling_params(self) -> SamplingParams:
         kwargs = {k: getattr(self, k) for k in SAMPLING_OPTIONS if getattr(self, k) is not None}
-        if self.choice and self.regex is not None:
-            raise JobError("--choice and --regex cannot be combined; give one of them")
+        given = [f for f, v in (("--choice", self.choice), ("--regex", self.regex),
+                                ("--json-schema", self.json_schema)) if v]
+        if len(given) > 1:
+            raise JobError(f"{' and '.join(given)} cannot be combined; give one of them")
         if self.choice:
             kwargs["structured_outputs"] = {"choice": list(self.choice)}
         if self.regex is not None:
             kwargs["structured_outputs"] = {"regex": self.regex}
+        if self.json_schema is not None:
+            kwargs["structured_outputs"] = {"json": self.json_schema_value()}
         try:
             return SamplingParams(**kwargs)
         except (ValueError, TypeError) as e:
             message = re.sub(r"(SamplingParams|StructuredOutputsParams)\.(\w+)",
                              lambda m: flag(m.group(2)), str(e))
-            constraint = "--regex" if self.regex is not None else "--choice"
+            constraint = given[0] if given else "--choice"
             message = message.replace("--structured-outputs", constraint)
+            message = re.sub(r"^json schema", "--json-schema", message)
             raise JobError(re.sub(r"^regex ", "--regex ", message))
 
     def engine_kwargs(self) -> dict[str, Any]:
@@ -233,6 +239,20 @@ class JobOptions:
             return path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise JobError(f"--system-prompt {text}: cannot read {path}: {e}")
+
+    def json_schema_value(self) -> Any:
+        """--json-schema parsed: JSON text, or the JSON file after an "@"."""
+        text = self.json_schema
+        if text is not None and text.startswith("@"):
+            path = Path(text[1:]).expanduser()
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise JobError(f"--json-schema {self.json_schema}: cannot read {path}: {e}")
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise JobError(f"--json-schema: not valid JSON ({e})") from None
 
     def chat_template_text(self) -> str | None:
         """The Jinja template in the --chat-template file."""

@@ -240,6 +240,11 @@ class PromptBuilder:
             changes["structured_outputs"] = {"choice": body["guided_choice"]}
         if body.get("guided_regex") is not None:
             changes["structured_outputs"] = {"regex": body["guided_regex"]}
+        if body.get("guided_json") is not None:
+            changes["structured_outputs"] = {"json": body["guided_json"]}
+        schema = _response_format_schema(body.get("response_format"))
+        if schema is not None:
+            changes["structured_outputs"] = {"json": schema}
         top = body.get("top_logprobs")
         logprobs = body.get("logprobs")
         if isinstance(logprobs, bool):
@@ -253,6 +258,25 @@ class PromptBuilder:
             return self.params.clone(**changes)
         except (TypeError, ValueError) as e:
             raise ValueError(f"body: {e}".replace("SamplingParams.", "")) from None
+
+
+def _response_format_schema(response_format: Any) -> Any:
+    """The JSON schema of OpenAI's response_format {"type": "json_schema", "json_schema":
+    {"schema": ...}}; None for {"type": "text"} or none given."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if isinstance(spec, dict) and spec.get("schema") is not None:
+            return spec["schema"]
+        raise ValueError("body.response_format.json_schema.schema is missing")
+    if kind == "json_object":
+        raise ValueError("body.response_format json_object (any JSON) is not supported; "
+                         "give a json_schema")
+    raise ValueError(f"body.response_format: unknown type {kind!r}")
 
 
 def _type_name(value: Any) -> str:

@@ -14,11 +14,11 @@ from batchinfer.engine.regex_guide import RegexAutomaton, token_bytes
 PATTERNS = [r"\d+", r"(yes|no)", r"[A-Z][a-z]{2,4}", r"\d{3}-\d{4}", r"(ab|a)*c?", r"[^abc]+",
             r".{1,3}x", r"\w+@\w+\.com", r"(?:foo|bar)+\s?", r"[-+]?\d*\.?\d+", r"é[a-cà]*",
             r"[\d\s]+", r"a{2}b{0,2}", r"^x(y|z)$", r"\S+", r"[.]\.", r"(a|b)*?c", r"\{x\}",
-            r"[\]a]+", r"\u00e9|\x41", r"(?P<word>ab)+"]
+            r"[\]a]+", r"\u00e9|\x41", r"(?P<word>ab)+", r"a{,2}b", r"\012x|\0", r"a{x}"]
 
 
 def test_automaton_agrees_with_python_re():
-    alphabet = list("abcxyzABC019 -+.@é\n]{}àÿ日") + ["foo", "bar", ".com", "ab"]
+    alphabet = list("abcxyzABC019 -+.@é\n]{}àÿ日\0") + ["foo", "bar", ".com", "ab", "{x}"]
     rng = random.Random(0)
     for pattern in PATTERNS:
         automaton, python = RegexAutomaton(pattern), re.compile(pattern, re.ASCII)
@@ -33,10 +33,20 @@ def test_automaton_agrees_with_python_re():
             assert automaton.matches(text.encode()) == (python.fullmatch(text) is not None)
 
 
+def test_any_character_is_well_formed_utf8():
+    automaton = RegexAutomaton("x.y")
+    for good in ("é", "日", "\U0001F600", "\u07ff", "\uffff"):
+        assert automaton.matches(f"x{good}y".encode())
+    # overlong, a surrogate, beyond U+10FFFF, a lone continuation byte
+    for bad in (b"\xe0\x80\x80", b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\xc0\xaf", b"\x80"):
+        assert not automaton.matches(b"x" + bad + b"y"), bad
+
+
 @pytest.mark.parametrize("pattern, what", [
     (r"(?=a)", "lookarounds"), (r"a\1", r"\1"), (r"\b", r"\b"), (r"a^b", "'^'"),
     (r"(?i)a", "flags"), ("[", "missing ]"), ("a{2,1}", "bad repeat"), ("*a", "nothing to repeat"),
-    (r"[^é]", "non-ASCII"), ("a{2000}", "above"), ("", "non-empty")])
+    (r"[^é]", "non-ASCII"), ("a{2000}", "above"), ("", "non-empty"), ("a**", "multiple repeat"),
+    ("a{2}{3}", "multiple repeat")])
 def test_unsupported_patterns_are_refused_by_name(pattern, what):
     with pytest.raises(ValueError, match=re.escape(what)):
         RegexAutomaton(pattern)
@@ -57,6 +67,12 @@ def test_token_bytes_are_what_tokens_add_to_a_text(llm):
         ids = tokenizer.encode(text, add_special_tokens=False)
         assert b"".join(pieces[t] for t in ids) == text.encode()
     assert all(pieces[t] is None for t in tokenizer.all_special_ids)
+    # a token added as special but not among the named special tokens is never allowed
+    from transformers import AutoTokenizer
+    fresh = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    fresh.add_tokens(["<|reserved_0|>"], special_tokens=True)
+    reserved = fresh.convert_tokens_to_ids("<|reserved_0|>")
+    assert token_bytes(fresh)[reserved] is None
 
 
 @pytest.mark.parametrize("pattern", [
@@ -90,7 +106,7 @@ def test_regex_guides_are_kept_per_pattern_and_refused_where_unsupported(llm):
         engine.tensor_parallel = saved
     with pytest.raises(ValueError, match="ignore_eos"):
         SamplingParams(ignore_eos=True, structured_outputs={"regex": r"\d+"})
-    with pytest.raises(ValueError, match="one of choice and regex"):
+    with pytest.raises(ValueError, match="one of choice, regex and json"):
         SamplingParams(structured_outputs={"regex": r"\d+", "choice": ["a"]})
-    with pytest.raises(ValueError, match="json"):
-        SamplingParams(structured_outputs={"json": {"type": "object"}})
+    with pytest.raises(ValueError, match="grammar"):
+        SamplingParams(structured_outputs={"grammar": "root ::= x"})

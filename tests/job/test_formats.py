@@ -199,6 +199,10 @@ def test_chat_template_file_and_variables(tmp_path, run_cli, reference_llm):
     assert "chat_template_kwargs must be an object" in errors[0] and errors[1] is None
 
 
+VERDICT = {"type": "object", "properties": {"verdict": {"enum": ["yes", "no"]},
+                                             "score": {"type": "integer"}}}
+
+
 def test_choice_and_per_line_constraints(tmp_path, run_cli, reference_llm):
     labels = ["positive", "negative", "mixed feelings"]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
@@ -219,7 +223,10 @@ def test_choice_and_per_line_constraints(tmp_path, run_cli, reference_llm):
               {"logit_bias": {str(forced): 100}, "max_tokens": 2},
               {"structured_outputs": {"regex": "(cat|dog)s?"}, "max_tokens": 12},
               {"guided_regex": "[0-9]{2}-[a-z]", "max_tokens": 12},
-              {"structured_outputs": {"json": {"type": "object"}}}]
+              {"response_format": {"type": "json_object"}},
+              {"response_format": {"type": "json_schema", "json_schema": {
+                  "name": "verdict", "schema": VERDICT}}, "max_tokens": 40},
+              {"guided_json": VERDICT, "max_tokens": 40}]
     lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
               "body": {"prompt": "Answer:", "temperature": 0, "max_tokens": 5, **b}}
              for i, b in enumerate(bodies)]
@@ -230,7 +237,19 @@ def test_choice_and_per_line_constraints(tmp_path, run_cli, reference_llm):
     assert rows[2]["token_ids"] == [forced, forced]
     assert re.fullmatch("(cat|dog)s?", rows[3]["completion"])
     assert re.fullmatch("[0-9]{2}-[a-z]", rows[4]["completion"])
-    assert "json are not supported" in rows[5]["error"]
+    assert "json_object" in rows[5]["error"]
+    for row in rows[6:]:
+        assert json.loads(row["completion"])["verdict"] in ("yes", "no"), row
+
+    # --json-schema, as JSON text or @FILE
+    (tmp_path / "schema.json").write_text(json.dumps(VERDICT))
+    for value in (json.dumps(VERDICT), f"@{tmp_path / 'schema.json'}"):
+        out = tmp_path / f"out-json-{len(value)}"
+        check_ok(run_cli(tmp_path / "in.jsonl", "-o", out, *SAMPLING_FLAGS, "--max-tokens", "40",
+                         "--json-schema", value))
+        completions = read_output(out).column("completion").to_pylist()
+        assert [json.loads(c)["verdict"] in ("yes", "no") for c in completions] \
+            == [True] * len(PROMPTS)
 
     # --regex: every completion matches
     check_ok(run_cli(tmp_path / "in.jsonl", "-o", tmp_path / "out3", *SAMPLING_FLAGS,
