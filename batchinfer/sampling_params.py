@@ -43,7 +43,6 @@ class StructuredOutputsParams:
             raise ValueError(f"StructuredOutputsParams.choice must be non-empty strings, got "
                              f"{self.choice!r}")
 
-
     def pattern(self) -> str:
         """The regex a regex or json constraint compiles to."""
         if self.regex is not None:

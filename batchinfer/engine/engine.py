@@ -110,7 +110,7 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self._token_texts: dict[int, str] = {}
         self._regex_guides: dict[str, RegexGuide] = {}
-        self._token_trie: tuple[TokenTrie, list[bytes | None]] | None = None
+        self._token_trie: TokenTrie | None = None
         self.num_steps = 0
 
     @classmethod
@@ -229,8 +229,8 @@ class LLMEngine:
                 vocab = self.model_config.vocab_size
                 pieces = [None if i >= vocab or i in self.eos_token_ids else p
                           for i, p in enumerate(pieces[:vocab])]
-                self._token_trie = (TokenTrie(pieces), pieces)
-            guide = RegexGuide(pattern, *self._token_trie)
+                self._token_trie = TokenTrie(pieces)
+            guide = RegexGuide(pattern, self._token_trie)
             if len(self._regex_guides) >= MAX_REGEX_GUIDES:
                 self._regex_guides.pop(next(iter(self._regex_guides)))
         self._regex_guides[pattern] = guide

@@ -155,7 +155,7 @@ class _Parser:
         if c == ".":
             return ("set", _CharSet(frozenset("\n"), negated=True))
         if c == "\\":
-            return ("set", self.escape(in_class=False))
+            return ("set", self.escape())
         if c in "*+?":
             raise self.fail(f"nothing to repeat before {c!r}")
         if c in "^$":
@@ -165,7 +165,7 @@ class _Parser:
             raise self.fail("unbalanced )")
         return ("set", _CharSet(frozenset(c)))
 
-    def escape(self, in_class: bool) -> _CharSet:
+    def escape(self) -> _CharSet:
         if self.peek() is None:
             raise self.fail("pattern ends with a backslash")
         c = self.take()
@@ -209,7 +209,7 @@ class _Parser:
             first = False
             if c == "\\":
                 self.i += 1
-                part = self.escape(in_class=True)
+                part = self.escape()
                 if part.negated:
                     negated_parts.append(part.chars)
                     continue
@@ -223,7 +223,7 @@ class _Parser:
                 self.i += 1
                 high = self.take()
                 if high == "\\":
-                    part = self.escape(in_class=True)
+                    part = self.escape()
                     if len(part.chars) != 1 or part.negated:
                         raise self.fail("bad range in class")
                     high = next(iter(part.chars))
@@ -452,6 +452,7 @@ class TokenTrie:
     that end at each node."""
 
     def __init__(self, pieces: list[bytes | None]):
+        self.pieces = pieces  # each token id's bytes (None: never allowed)
         self.children: list[dict[int, int]] = [{}]
         self.ends: list[list[int]] = [[]]
         for tid, data in enumerate(pieces):
@@ -472,11 +473,11 @@ class TokenTrie:
 class RegexGuide:
     """Which tokens a completion may take next to keep matching the pattern."""
 
-    def __init__(self, pattern: str, trie: TokenTrie, pieces: list[bytes | None]):
+    def __init__(self, pattern: str, trie: TokenTrie):
         self.pattern = pattern
         self.automaton = RegexAutomaton(pattern)
         self.trie = trie
-        self.pieces = pieces
+        self.pieces = trie.pieces
         # per state and device, the allowed ids (end-of-sequence included where it
         # accepts); states with the same set share one tensor
         self._tensors: dict[tuple[int, torch.device], torch.Tensor] = {}
