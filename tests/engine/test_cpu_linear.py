@@ -1,11 +1,13 @@
-"""Linear weights packed for oneDNN on CPU (batchinfer/model/cpu_linear.py): used only
-where they give F.linear's exact bits, and then the engine's output does not change."""
+"""Linear weights packed for oneDNN on CPU (batchinfer/model/cpu_linear.py): bfloat16 used
+only where it gives F.linear's exact bits (and then the engine's output does not change),
+float32 only where each row's result does not depend on the rows computed with it."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import checkpoints
 from batchinfer import LLM, SamplingParams
 from batchinfer.bench.roofline import ModelShape, weight_bytes_read_per_step
 from batchinfer.model import cpu_linear
@@ -18,7 +20,29 @@ def fresh_probe():
     cpu_linear.available.cache_clear()
 
 
-def test_float32_is_never_packed(fresh_probe):
+def test_float32_packed_products_keep_rows_independent(fresh_probe):
+    if not cpu_linear.available(torch.float32):
+        pytest.skip("oneDNN's float32 products depend on the row count on this machine")
+    gen = torch.Generator().manual_seed(1)
+    weight, bias = torch.randn(200, 96, generator=gen), torch.randn(200, generator=gen)
+    x = torch.randn(300, 96, generator=gen)
+    packed = cpu_linear.pack(weight, 64)
+    full = cpu_linear.linear(x, packed, bias)
+    torch.testing.assert_close(full, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    for start, rows in ((0, 1), (2, 3), (10, 64), (0, 256), (299, 1)):
+        assert torch.equal(cpu_linear.linear(x[start:start + rows], packed, bias),
+                           full[start:start + rows])
+
+
+@pytest.mark.parametrize("fake", ["row_count_dependent", "wrong"])
+def test_float32_probe_refuses(fresh_probe, monkeypatch, fake):
+    """A product whose rows change with the row count, or that is not F.linear within
+    rounding, is not used."""
+    def linear(x, weight, bias=None):
+        out = F.linear(x, weight, bias)
+        return out + x.shape[0] * 1e-3 if fake == "row_count_dependent" else out * 1.01
+    monkeypatch.setattr(cpu_linear, "pack", lambda weight, hint: weight)
+    monkeypatch.setattr(cpu_linear, "linear", linear)
     assert not cpu_linear.available(torch.float32)
 
 
@@ -40,18 +64,23 @@ def test_packed_product_is_bit_identical(fresh_probe, rows):
     assert torch.equal(cpu_linear.linear(x, packed), F.linear(x, weight))
 
 
-def _greedy(llm: LLM, prompts: list[str]) -> list[list[int]]:
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+def _greedy(llm: LLM, prompts: list[str]) -> list[tuple[list[int], list[set[int]]]]:
+    """(tokens, each step's top 5) per prompt."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=5)
+    return [(o.outputs[0].token_ids, [set(step) for step in o.outputs[0].logprobs])
+            for o in llm.generate(prompts, params)]
 
 
 @pytest.mark.parametrize("fixture", ["llama_dir", "qwen2_dir"])  # tied / untied embeddings
-def test_engine_output_unchanged_by_packing(fixture, request, fresh_probe, monkeypatch):
-    if not cpu_linear.available(torch.bfloat16):
-        pytest.skip("oneDNN packing of bfloat16 is not available on this machine")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_engine_output_unchanged_by_packing(fixture, dtype, request, fresh_probe, monkeypatch):
+    """bfloat16: the same tokens. float32: the same up to a near-tie that rounding may flip
+    (compare_greedy's rule), as the packed product adds in another order."""
+    if not cpu_linear.available(dtype):
+        pytest.skip(f"oneDNN packing of {dtype} is not used on this machine")
     model_dir = str(request.getfixturevalue(fixture))
     prompts = ["The quick brown fox", "Batch inference on a CPU", "a b c d e f g"]
-    packed_llm = LLM(model=model_dir, dtype="bfloat16", device="cpu")
+    packed_llm = LLM(model=model_dir, dtype=str(dtype).removeprefix("torch."), device="cpu")
     model = packed_llm.llm_engine.model_runner.model
     layer = model.model.layers[0]
     # every product packed; only the embedding table keeps a plain copy
@@ -60,14 +89,21 @@ def test_engine_output_unchanged_by_packing(fixture, request, fresh_probe, monke
     assert layer.mlp.gate_up_proj.weight is None
     assert model.lm_head.packed is not None
     assert (model.lm_head.weight is not None) == model.tie_word_embeddings
-    packed_tokens = _greedy(packed_llm, prompts)
+    packed_out = _greedy(packed_llm, prompts)
 
     monkeypatch.setenv(cpu_linear.ENV_SWITCH, "0")
     cpu_linear.available.cache_clear()
-    plain_llm = LLM(model=model_dir, dtype="bfloat16", device="cpu")
+    plain_llm = LLM(model=model_dir, dtype=str(dtype).removeprefix("torch."), device="cpu")
     plain = plain_llm.llm_engine.model_runner.model
     assert plain.model.layers[0].mlp.packed_halves is None
-    assert _greedy(plain_llm, prompts) == packed_tokens
+    plain_out = _greedy(plain_llm, prompts)
+    if dtype == torch.bfloat16:
+        assert plain_out == packed_out
+    else:
+        result = checkpoints.compare_greedy(
+            [t for t, _ in packed_out], [t for t, _ in plain_out],
+            [top for _, top in packed_out], [top for _, top in plain_out])
+        assert result.ok, result.failures
     # the bench's bytes-per-step count sees the packed weights as the same bytes
     shape = ModelShape.from_config(plain.config)
     assert weight_bytes_read_per_step(model, shape, model.tie_word_embeddings).dense == \
