@@ -13,7 +13,7 @@ from batchinfer.config import DTYPES, EngineConfig, check_device
 from batchinfer.engine.detokenizer import IncrementalDetokenizer
 from batchinfer.engine.kv_cache_manager import KVCacheManager
 from batchinfer.engine.model_runner import ModelRunner
-from batchinfer.engine.regex_guide import RegexGuide, TokenTrie, token_bytes
+from batchinfer.engine.regex_guide import RegexGuide, VocabBytes, token_bytes
 from batchinfer.engine.request import Request, RequestStatus
 from batchinfer.engine.scheduler import Scheduler
 from batchinfer.engine.tensor_parallel import (RunnerArgs, TensorParallelGroup, WorkerError,
@@ -110,7 +110,7 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self._token_texts: dict[int, str] = {}
         self._regex_guides: dict[str, RegexGuide] = {}
-        self._token_trie: TokenTrie | None = None
+        self._vocab_bytes: VocabBytes | None = None
         self.num_steps = 0
 
     @classmethod
@@ -218,19 +218,19 @@ class LLMEngine:
 
     def _regex_guide(self, pattern: str) -> RegexGuide:
         """The pattern's guide, kept for the next requests with it (the most recent
-        MAX_REGEX_GUIDES patterns); the vocabulary's byte trie is built on first use."""
+        MAX_REGEX_GUIDES patterns); the vocabulary's bytes are read on first use."""
         if self.tensor_parallel is not None:
             raise ValueError("structured outputs by regex are not supported with tensor "
                              "parallelism")
         guide = self._regex_guides.pop(pattern, None)
         if guide is None:
-            if self._token_trie is None:
+            if self._vocab_bytes is None:
                 pieces = token_bytes(self.tokenizer)
                 vocab = self.model_config.vocab_size
                 pieces = [None if i >= vocab or i in self.eos_token_ids else p
                           for i, p in enumerate(pieces[:vocab])]
-                self._token_trie = TokenTrie(pieces)
-            guide = RegexGuide(pattern, self._token_trie)
+                self._vocab_bytes = VocabBytes(pieces)
+            guide = RegexGuide(pattern, self._vocab_bytes)
             if len(self._regex_guides) >= MAX_REGEX_GUIDES:
                 self._regex_guides.pop(next(iter(self._regex_guides)))
         self._regex_guides[pattern] = guide

@@ -11,8 +11,9 @@ and its DFA is built lazily, one state at a time, as generation reaches it.
 
 Every NFA state can reach the accepting one, so a DFA state that is not empty can still
 complete a match: a token is allowed when walking its bytes from the current state never
-empties it. The end-of-sequence tokens are allowed where the state accepts. The tokens'
-bytes are walked as a trie (shared prefixes once), and each state's allowed set is kept.
+empties it. The end-of-sequence tokens are allowed where the state accepts. All tokens are
+walked together, a column of their bytes at a time (numpy, over the DFA's moves as an
+array), and each state's allowed set is kept.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import functools
 import json
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 _MAX_REPEAT = 1000
@@ -447,37 +449,42 @@ def token_bytes(tokenizer) -> list[bytes | None]:
     return out
 
 
-class TokenTrie:
-    """The vocabulary's byte strings as a trie: node -> {byte: child}, with the token ids
-    that end at each node."""
+class VocabBytes:
+    """The vocabulary's byte strings as one padded array, for walking every token through
+    an automaton at once: a column of bytes a step. Rows are sorted by first byte, so the
+    tokens starting with a byte are one slice (starts[b]:starts[b + 1])."""
 
     def __init__(self, pieces: list[bytes | None]):
         self.pieces = pieces  # each token id's bytes (None: never allowed)
-        self.children: list[dict[int, int]] = [{}]
-        self.ends: list[list[int]] = [[]]
-        for tid, data in enumerate(pieces):
-            if not data:
-                continue
-            node = 0
-            for b in data:
-                nxt = self.children[node].get(b)
-                if nxt is None:
-                    nxt = len(self.children)
-                    self.children[node][b] = nxt
-                    self.children.append({})
-                    self.ends.append([])
-                node = nxt
-            self.ends[node].append(tid)
+        ids = sorted((tid for tid, data in enumerate(pieces) if data),
+                     key=lambda tid: pieces[tid][0])
+        self.ids = np.asarray(ids, dtype=np.int64)
+        self.lengths = np.asarray([len(pieces[tid]) for tid in ids], dtype=np.int64)
+        width = int(self.lengths.max()) if ids else 0
+        self.matrix = np.zeros((len(ids), width), dtype=np.uint8)
+        flat = np.frombuffer(b"".join(pieces[tid] for tid in ids), dtype=np.uint8)
+        rows = np.repeat(np.arange(len(ids)), self.lengths)
+        cols = np.arange(flat.size) - np.repeat(np.cumsum(self.lengths) - self.lengths,
+                                                self.lengths)
+        self.matrix[rows, cols] = flat
+        first = self.matrix[:, 0] if width else np.zeros(0, dtype=np.uint8)
+        self.starts = np.searchsorted(first, np.arange(257))
+
+
+_UNKNOWN = -2  # a transition not yet taken in the automaton
 
 
 class RegexGuide:
     """Which tokens a completion may take next to keep matching the pattern."""
 
-    def __init__(self, pattern: str, trie: TokenTrie):
+    def __init__(self, pattern: str, vocab: VocabBytes):
         self.pattern = pattern
         self.automaton = RegexAutomaton(pattern)
-        self.trie = trie
-        self.pieces = trie.pieces
+        self.vocab = vocab
+        self.pieces = vocab.pieces
+        # the automaton's moves as an array [states, 256] (-1 dead, _UNKNOWN not yet
+        # computed), grown as states appear, for stepping many tokens at once
+        self._moves = np.full((16, 256), _UNKNOWN, dtype=np.int64)
         # per state and device, the allowed ids (end-of-sequence included where it
         # accepts); states with the same set share one tensor
         self._tensors: dict[tuple[int, torch.device], torch.Tensor] = {}
@@ -493,22 +500,51 @@ class RegexGuide:
                 break
         return state
 
-    def allowed(self, state: int) -> list[int]:
-        """Token ids (not end-of-sequence) whose bytes keep a match possible from state:
-        one walk of the vocabulary's byte trie, pruned where the automaton dies."""
-        ids: list[int] = []
-        step, children, ends = self.automaton.step, self.trie.children, self.trie.ends
-        todo = [(0, state)]
-        while todo:
-            node, at = todo.pop()
-            for b, child in children[node].items():
-                nxt = step(at, b)
-                if nxt >= 0:
-                    ids.extend(ends[child])
-                    todo.append((child, nxt))
-        ids.sort()
-        return ids
+    def _step_many(self, states: np.ndarray, data: np.ndarray) -> np.ndarray:
+        """automaton.step over arrays of live states and bytes; each distinct pair not
+        taken before is computed once."""
+        nxt = self._moves[states, data]
+        unknown = nxt == _UNKNOWN
+        if unknown.any():
+            pairs = np.unique(states[unknown] * 256 + data[unknown])
+            for pair in pairs.tolist():
+                target = self.automaton.step(pair // 256, pair % 256)
+                if max(pair // 256, target) >= len(self._moves):
+                    grown = np.full((2 * max(pair // 256, target) + 2, 256), _UNKNOWN,
+                                    dtype=np.int64)
+                    grown[:len(self._moves)] = self._moves
+                    self._moves = grown
+                self._moves[pair // 256, pair % 256] = target
+            nxt = self._moves[states, data]
+        return nxt
 
+    def allowed(self, state: int) -> np.ndarray:
+        """Token ids (not end-of-sequence), sorted, whose bytes keep a match possible from
+        state: the tokens starting with a byte the state can take, then all of them stepped
+        through the automaton together, a byte column at a time, dropped where they die
+        (numpy; the automaton is asked only for moves not taken before)."""
+        vocab = self.vocab
+        after_first = self._step_many(np.full(256, state, dtype=np.int64),
+                                      np.arange(256, dtype=np.uint8))
+        live = np.flatnonzero(after_first >= 0)
+        if not len(live):
+            return vocab.ids[:0]
+        counts = vocab.starts[live + 1] - vocab.starts[live]
+        rows = np.repeat(vocab.starts[live] - np.cumsum(counts) + counts, counts) \
+            + np.arange(int(counts.sum()))
+        states = np.repeat(after_first[live], counts)
+        kept = []
+        for col in range(1, vocab.matrix.shape[1] + 1):
+            ended = vocab.lengths[rows] == col
+            if ended.any():
+                kept.append(rows[ended])
+                rows, states = rows[~ended], states[~ended]
+            if not len(rows):
+                break
+            states = self._step_many(states, vocab.matrix[rows, col])
+            alive = states >= 0
+            rows, states = rows[alive], states[alive]
+        return np.sort(vocab.ids[np.concatenate(kept)]) if kept else vocab.ids[:0]
 
     def next_tokens(self, state: int, eos_token_ids: frozenset[int],
                     device: torch.device) -> torch.Tensor:
@@ -517,14 +553,15 @@ class RegexGuide:
         key = (state, device)
         ids = self._tensors.get(key)
         if ids is None:
-            allowed = self.allowed(state) if state >= 0 else []
-            if state < 0 or self.automaton.accepting[state] or not allowed:
-                allowed = allowed + sorted(eos_token_ids)
-            packed = torch.tensor(allowed, dtype=torch.int32)
-            ids = self._shared.get((packed.numpy().tobytes(), device))
+            allowed = self.allowed(state) if state >= 0 else np.zeros(0, dtype=np.int64)
+            if state < 0 or self.automaton.accepting[state] or not len(allowed):
+                allowed = np.concatenate([allowed, np.asarray(sorted(eos_token_ids),
+                                                              dtype=np.int64)])
+            packed = allowed.astype(np.int32).tobytes()
+            ids = self._shared.get((packed, device))
             if ids is None:
-                ids = self._shared[(packed.numpy().tobytes(), device)] = \
-                    packed.to(device=device, dtype=torch.long)
+                ids = self._shared[(packed, device)] = \
+                    torch.from_numpy(allowed.astype(np.int64)).to(device)
             self._tensors[key] = ids
         return ids
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from batchinfer import LLM, SamplingParams
-from batchinfer.engine.regex_guide import RegexAutomaton, token_bytes
+from batchinfer.engine.regex_guide import RegexAutomaton, RegexGuide, VocabBytes, token_bytes
 
 PATTERNS = [r"\d+", r"(yes|no)", r"[A-Z][a-z]{2,4}", r"\d{3}-\d{4}", r"(ab|a)*c?", r"[^abc]+",
             r".{1,3}x", r"\w+@\w+\.com", r"(?:foo|bar)+\s?", r"[-+]?\d*\.?\d+", r"é[a-cà]*",
@@ -73,6 +73,26 @@ def test_token_bytes_are_what_tokens_add_to_a_text(llm):
     fresh.add_tokens(["<|reserved_0|>"], special_tokens=True)
     reserved = fresh.convert_tokens_to_ids("<|reserved_0|>")
     assert token_bytes(fresh)[reserved] is None
+
+
+def test_allowed_tokens_are_those_whose_bytes_keep_a_match(llm):
+    """The vectorised walk over the vocabulary gives exactly the tokens that stepping each
+    one's bytes through the automaton keeps alive, in every state a random walk reaches
+    (the walk's moves table grows as it finds states)."""
+    pieces = token_bytes(llm.get_tokenizer())
+    vocab = VocabBytes(pieces)
+    rng = random.Random(1)
+    for pattern in PATTERNS[:12] + [r'"([^"\\]|\\.){0,6}"', r"[^\n]*\n"]:
+        guide = RegexGuide(pattern, vocab)
+        state = 0
+        for _ in range(8):
+            expected = [t for t, data in enumerate(pieces)
+                        if data and guide.advance(state, t) >= 0]
+            allowed = guide.allowed(state)
+            assert allowed.tolist() == expected, (pattern, state)
+            if not expected:
+                break
+            state = guide.advance(state, rng.choice(expected))
 
 
 @pytest.mark.parametrize("pattern", [

@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchinfer import SamplingParams
+from batchinfer.job.schema import schema_from_json, schema_to_json
 
 PROMPTS = ["The river runs", "Once upon a time", "In the morning the", "A short note on",
            "The river runs fast", "Numbers are"]
@@ -441,6 +442,41 @@ def test_openai_batch_lines_ask_for_prompt_logprobs(tmp_path, run_cli, reference
             "decoded_token": e["token"]} for e in step}
     assert [s[0]["token_id"] for s in column[1:]] == by_id["chat"]["prompt_token_ids"][1:]
     assert bodies["plain"]["choices"][0]["prompt_logprobs"] is None  # null, as vLLM writes
+
+
+def test_openai_output_older_than_its_prompt_logprobs_columns_resumes(tmp_path, run_cli):
+    """An OpenAI job whose output was written before the prompt_logprobs columns existed:
+    resumed, lines asking for prompt logprobs still complete (what cannot be stored is not
+    computed) and every part keeps the recorded schema."""
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": p, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 1}}
+             for i, p in enumerate(PROMPTS)]
+    (tmp_path / "batch.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    out = tmp_path / "out"
+    flags = ["-o", out, "--output-format", "openai"]
+    check_ok(run_cli(tmp_path / "batch.jsonl", *flags, "--limit", "2"))
+    dropped = ["prompt_logprobs", "prompt_logprob_sum"]
+    manifest_path = out / "__batchinfer__" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    recorded = schema_from_json(manifest["output_schema"])
+    assert set(dropped) <= set(recorded.names)
+    older = pa.schema([f for f in recorded if f.name not in dropped], metadata=recorded.metadata)
+    manifest["output_schema"] = schema_to_json(older)
+    manifest_path.write_text(json.dumps(manifest))
+    for part in manifest["parts"]:
+        path = out / part["file"]
+        pq.write_table(pq.read_table(path).drop_columns(dropped), path)
+
+    check_ok(run_cli(tmp_path / "batch.jsonl", *flags))
+    table = read_output(out)
+    assert table.num_rows == len(PROMPTS) and not set(dropped) & set(table.column_names)
+    assert table["error"].to_pylist() == [None] * len(PROMPTS)
+    for part in json.loads(manifest_path.read_text())["parts"]:
+        assert pq.read_schema(out / part["file"]).names == older.names
+    bodies = [json.loads(s)["response"]["body"] for s in
+              (out / "__batchinfer__" / "openai_output.jsonl").read_text().splitlines()]
+    assert len(bodies) == len(PROMPTS)
+    assert all(b["choices"][0]["prompt_logprobs"] is None for b in bodies)
 
 
 def test_output_reads_with_datasets(tmp_path, run_cli):
