@@ -444,7 +444,8 @@ def test_openai_batch_lines_ask_for_prompt_logprobs(tmp_path, run_cli, reference
     assert bodies["plain"]["choices"][0]["prompt_logprobs"] is None  # null, as vLLM writes
 
 
-def test_openai_output_older_than_its_prompt_logprobs_columns_resumes(tmp_path, run_cli):
+def test_openai_output_older_than_its_prompt_logprobs_columns_resumes(tmp_path, run_cli,
+                                                                      monkeypatch):
     """An OpenAI job whose output was written before the prompt_logprobs columns existed:
     resumed, lines asking for prompt logprobs still complete (what cannot be stored is not
     computed) and every part keeps the recorded schema."""
@@ -467,7 +468,16 @@ def test_openai_output_older_than_its_prompt_logprobs_columns_resumes(tmp_path, 
         path = out / part["file"]
         pq.write_table(pq.read_table(path).drop_columns(dropped), path)
 
+    from batchinfer.engine.engine import LLMEngine
+    asked = []
+    add_request = LLMEngine.add_request
+
+    def recording(self, request_id, prompt, params, *args, **kwargs):
+        asked.append(params.prompt_logprobs)
+        return add_request(self, request_id, prompt, params, *args, **kwargs)
+    monkeypatch.setattr(LLMEngine, "add_request", recording)
     check_ok(run_cli(tmp_path / "batch.jsonl", *flags))
+    assert asked == [None] * (len(PROMPTS) - 2)  # not computed: nowhere to store them
     table = read_output(out)
     assert table.num_rows == len(PROMPTS) and not set(dropped) & set(table.column_names)
     assert table["error"].to_pylist() == [None] * len(PROMPTS)
