@@ -6,17 +6,19 @@
  * position p is row p % block_size of block block_tables[t, p / block_size]; the sequence
  * attends to positions [lo[t], hi[t]). Query head h * group + g reads KV head h (GQA).
  *
- * A work item is one sequence and a run of its KV heads. Each KV head's query rows walk its
- * keys together, a few rows per pass, with the rows' queries, accumulators and softmax
- * state in registers: the walk is compiled for each common head size and row count, so
- * every loop bound is a constant. Each key row is loaded (and, for bfloat16, widened) once
- * per pass. Keys are taken 16 at a time (never across a block): each key's dot products
+ * A work item is one sequence and a run of its KV heads. Their query rows are split into
+ * passes of a few rows of one KV head; the walk over the keys is compiled for each common
+ * head size and row count, so every loop bound is a constant. Keys are taken 16 at a time
+ * (a chunk, never across a block), and each chunk serves every pass before the next one
+ * is read, a pass's queries, accumulators and softmax state in registers while it runs.
+ * Each key row is loaded (and, for bfloat16, widened) once per pass. Each key's dot products
  * are summed along head_dim as 16-lane partials, and the 16 partial vectors are reduced
  * together by a transpose-add tree into one vector of 16 scores. Softmax is online (running
  * max and sum per query row) with a vectorised exp. Accumulation and the log-sum-exp are
  * float32 for float32 and bfloat16 caches alike; bfloat16 rows are widened 32 elements at a
- * time, split into even and odd elements (see load_row). The rows of the next chunk are
- * requested before they are read, since a sequence's blocks lie anywhere in the cache.
+ * time, split into even and odd elements (see load_row). A sequence's blocks lie anywhere
+ * in the cache, where the hardware prefetcher cannot follow them: groups of its rows are
+ * brought into cache by plain loads before they are walked (see touch_rows).
  *
  * Written with GCC/Clang vector extensions rather than intrinsics, so the compiler maps
  * them to whatever the host has (AVX-512, AVX2, NEON). The OpenMP loop runs on the OpenMP
@@ -28,9 +30,8 @@
 
 #include "cpu_vec.h"
 
-/* Every helper is inlined: left to its own heuristics, GCC stopped inlining the prefetch
- * helper into some of the specialised walks once they grew, and dropped their prefetches,
- * which cost 20% on a cold cache. */
+/* Every helper is inlined, so each specialised walk is straight code with constant bounds
+ * (left to its own heuristics, GCC stopped inlining helpers once the walks grew). */
 #define INLINE static inline __attribute__((always_inline))
 
 #define MAX_GROUP 16   /* query heads per KV head */
@@ -61,7 +62,7 @@ INLINE f32x16 transpose_sum16(const f32x16 *x) {
 }
 
 #define MAX_PASS 8     /* query rows walked together (their q and accumulators in registers) */
-#define PF_AHEAD 2     /* chunks of K/V rows requested ahead of the one being read */
+#define TOUCH_BYTES (128 * 1024)  /* K and V bytes brought into cache at a time */
 
 /* Elements are float32 (bf16 == 0) or bfloat16 (bf16 == 1); the functions below are
  * inlined with a constant flag, so each entry point compiles to its own straight code. */
@@ -97,12 +98,25 @@ INLINE void store_row(void *base, int64_t i, const f32x16 *src, float scale, int
         for (int64_t c = 0; c < nc; c++) store16(base, i + 16 * c, src[c] * scale, bf16);
     }
 }
-INLINE void prefetch_rows(const void *cache, int64_t first, int64_t rows, int64_t row_stride,
-                          int64_t bytes, int bf16) {
+
+/* Reads one word of every cache line of rows [first, first + rows) (bytes of each, from
+ * element first, rows row_stride elements apart), in address order, and returns their OR.
+ * Plain loads rather than prefetches: they are independent, so the core keeps many misses
+ * in flight, and it does not drop them when its miss buffers are full (measured on a
+ * 2-core Zen 4 VM: software prefetches ahead of each chunk made the walk no faster, and
+ * slower on whole rows; these made the kernel 15-35% faster on the bench's shapes). */
+INLINE uint32_t touch_rows(const void *cache, int64_t first, int64_t rows, int64_t row_stride,
+                           int64_t bytes, int bf16) {
     const char *p = (const char *)cache + first * (bf16 ? 2 : 4);
     const int64_t stride = row_stride * (bf16 ? 2 : 4);
+    uint32_t acc = 0;
     for (int64_t j = 0; j < rows; j++)
-        for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(p + j * stride + c);
+        for (int64_t c = 0; c < bytes; c += 64) {
+            uint32_t w;
+            memcpy(&w, p + j * stride + c, sizeof w);
+            acc |= w;
+        }
+    return acc;
 }
 
 /* Keys [j0, j0 + n) of a sequence lie in one block: the chunk starting at j0. */
@@ -132,104 +146,151 @@ INLINE f32x16 softmax_step(
     return e;
 }
 
-/* Where a pass's first row finds its partial result (elements into init_out, init_lse),
- * and how far apart its rows' are. */
-typedef struct { int64_t out, out_step, lse, lse_step; } init_at;
-
-/* Query rows [r0, r0 + G) of sequence t, all reading KV head h, over keys [lo, hi). Inlined
- * with constant nc (head_dim / 16) and G wherever a case exists for them (see walk()), so
- * the rows' queries, accumulators and softmax state stay in registers for the whole walk
- * and each key row is loaded (and widened) once for all G rows. With init_lse, the walk
- * starts from a partial result over other keys (init_out, its log-sum-exp) and so ends
- * with their merge. */
-INLINE void walk_rows(
-        const void *q, int64_t q0, const void *k_cache, const void *v_cache,
-        const int32_t *table, int64_t lo, int64_t hi, int64_t block_size, int64_t key_stride,
-        int64_t head_off, float scale, void *out, float *lse, const void *init_out,
-        const float *init_lse, init_at at, int64_t o_row0, const int64_t nc, const int64_t G,
-        const int bf16) {
-    const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    const int64_t head_dim = nc * 16, span = head_dim * (bf16 ? 2 : 4);
+/* One pass (G query rows of one KV head) over one chunk of n keys: the keys' rows start at
+ * element `base` of the caches, key_stride apart. The pass's state lives in memory between
+ * chunks (q: its queries, scaled, in load_row's order; a: accumulators; m, l: running max
+ * and per-lane sum) and in registers within one; inlined with constant nc and G. */
+INLINE void pass_chunk(
+        const f32x16 *q_mem, f32x16 *a_mem, f32x16 *m_mem, f32x16 *l_mem,
+        const void *k_cache, const void *v_cache, int64_t base, int64_t key_stride, int64_t n,
+        i32x16 valid, const int64_t nc, const int64_t G, const int bf16) {
     f32x16 qr[MAX_PASS * MAX_CHUNKS], a[MAX_PASS * MAX_CHUNKS], m[MAX_PASS], l[MAX_PASS];
-    for (int64_t g = 0; g < G; g++) {
-        /* a partial result enters as its (normalised) output with weight 1 at its
-         * log-sum-exp; one over no keys (-inf) as nothing */
-        const float init = init_lse ? init_lse[at.lse + g * at.lse_step] : -INFINITY;
-        load_row(q, q0 + g * head_dim, qr + g * nc, nc, bf16);
-        for (int64_t c = 0; c < nc; c++) qr[g * nc + c] *= scale;
-        if (init != -INFINITY)
-            load_row(init_out, at.out + g * at.out_step, a + g * nc, nc, bf16);
-        else
-            for (int64_t c = 0; c < nc; c++) a[g * nc + c] = (f32x16){0};
-        m[g] = (f32x16){0} + init;
-        l[g] = init != -INFINITY ? (f32x16){1.f} : (f32x16){0};
-    }
-    int64_t pf = lo;
-    for (int64_t j0 = lo; j0 < hi;) {
-        const int64_t n = chunk_len(j0, hi, block_size);
-        const int64_t base = ((int64_t)table[j0 / block_size] * block_size + j0 % block_size)
-                             * key_stride + head_off;
-        const i32x16 valid = lane < (int32_t)n;
-        /* request the rows of this chunk and the next ahead of use: blocks lie anywhere in
-         * the cache, so the hardware prefetcher cannot follow a sequence across them */
-        for (; pf < hi && pf < j0 + PF_AHEAD * 16; ) {
-            const int64_t n1 = chunk_len(pf, hi, block_size);
-            const int64_t at = ((int64_t)table[pf / block_size] * block_size + pf % block_size)
-                               * key_stride + head_off;
-            prefetch_rows(k_cache, at, n1, key_stride, span, bf16);
-            prefetch_rows(v_cache, at, n1, key_stride, span, bf16);
-            pf += n1;
-        }
-        f32x16 part[MAX_PASS][16], p[MAX_PASS];
-        for (int64_t j = 0; j < 16; j++) {
-            if (j < n) {
-                f32x16 kv[MAX_CHUNKS];
-                load_row(k_cache, base + j * key_stride, kv, nc, bf16);
-                for (int64_t g = 0; g < G; g++) {
-                    f32x16 x = qr[g * nc] * kv[0];
-                    for (int64_t c = 1; c < nc; c++) x += qr[g * nc + c] * kv[c];
-                    part[g][j] = x;
-                }
-            } else {
-                for (int64_t g = 0; g < G; g++) part[g][j] = (f32x16){0};
+    for (int64_t i = 0; i < G * nc; i++) { qr[i] = q_mem[i]; a[i] = a_mem[i]; }
+    for (int64_t g = 0; g < G; g++) { m[g] = m_mem[g]; l[g] = l_mem[g]; }
+    f32x16 part[MAX_PASS][16], p[MAX_PASS];
+    for (int64_t j = 0; j < 16; j++) {
+        if (j < n) {
+            f32x16 kv[MAX_CHUNKS];
+            load_row(k_cache, base + j * key_stride, kv, nc, bf16);
+            for (int64_t g = 0; g < G; g++) {
+                f32x16 x = qr[g * nc] * kv[0];
+                for (int64_t c = 1; c < nc; c++) x += qr[g * nc + c] * kv[c];
+                part[g][j] = x;
             }
+        } else {
+            for (int64_t g = 0; g < G; g++) part[g][j] = (f32x16){0};
         }
+    }
+    for (int64_t g = 0; g < G; g++)
+        p[g] = softmax_step(part[g], valid, &m[g], &l[g], a + g * nc, nc);
+    for (int64_t j = 0; j < n; j++) {
+        f32x16 vv[MAX_CHUNKS];
+        load_row(v_cache, base + j * key_stride, vv, nc, bf16);
         for (int64_t g = 0; g < G; g++)
-            p[g] = softmax_step(part[g], valid, &m[g], &l[g], a + g * nc, nc);
-        for (int64_t j = 0; j < n; j++) {
-            f32x16 vv[MAX_CHUNKS];
-            load_row(v_cache, base + j * key_stride, vv, nc, bf16);
-            for (int64_t g = 0; g < G; g++)
-                for (int64_t c = 0; c < nc; c++) a[g * nc + c] += p[g][j] * vv[c];
+            for (int64_t c = 0; c < nc; c++) a[g * nc + c] += p[g][j] * vv[c];
+    }
+    for (int64_t i = 0; i < G * nc; i++) a_mem[i] = a[i];
+    for (int64_t g = 0; g < G; g++) { m_mem[g] = m[g]; l_mem[g] = l[g]; }
+}
+
+/* Everything a work item needs to know about where its rows are. Strides of the partial
+ * result to start from (init_out, init_lse) by sequence, KV head and group row: is[0..2]
+ * for init_out (elements), is[3..5] for init_lse. */
+typedef struct {
+    const void *q, *k_cache, *v_cache, *init_out;
+    void *out;
+    float *lse;
+    const float *init_lse;
+    const int64_t *is;
+    int64_t q_token_stride, num_kv_heads, group, block_size;
+    float scale;
+} decode_args;
+
+/* KV heads [h0, h0 + nh) of sequence t over keys [lo, hi): every query row of those heads,
+ * G rows to a pass. The keys are walked once, a chunk at a time, each chunk serving every
+ * pass before the next (walking head by head read one head's slice of each row, a pattern
+ * the hardware prefetcher does not follow, and left memory idle while later heads ran).
+ * Inlined with constant nc (head_dim / 16) and G wherever a case exists (see walk()). */
+INLINE void walk_heads(
+        const decode_args *d, const int32_t *table, int64_t lo, int64_t hi, int64_t t,
+        int64_t h0, int64_t nh, const int64_t nc, const int64_t G, const int bf16) {
+    const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const int64_t head_dim = nc * 16, group = d->group, per_head = group / G;
+    const int64_t key_stride = d->num_kv_heads * head_dim, block_size = d->block_size;
+    const int64_t passes = nh * per_head;
+    const int64_t *is = d->is;
+    f32x16 qs[passes * G * nc], as[passes * G * nc], ms[passes * G], ls[passes * G];
+    for (int64_t p = 0; p < passes; p++) {
+        const int64_t h = h0 + p / per_head, r0 = p % per_head * G;
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t r = r0 + g, s = p * G + g;
+            /* a partial result enters as its (normalised) output with weight 1 at its
+             * log-sum-exp; one over no keys (-inf) as nothing */
+            const float init = d->init_lse ? d->init_lse[t * is[3] + h * is[4] + r * is[5]]
+                                           : -INFINITY;
+            load_row(d->q, t * d->q_token_stride + (h * group + r) * head_dim, qs + s * nc,
+                     nc, bf16);
+            for (int64_t c = 0; c < nc; c++) qs[s * nc + c] *= d->scale;
+            if (init != -INFINITY)
+                load_row(d->init_out, t * is[0] + h * is[1] + r * is[2], as + s * nc, nc,
+                         bf16);
+            else
+                for (int64_t c = 0; c < nc; c++) as[s * nc + c] = (f32x16){0};
+            ms[s] = (f32x16){0} + init;
+            ls[s] = init != -INFINITY ? (f32x16){1.f} : (f32x16){0};
         }
-        j0 += n;
     }
-    for (int64_t g = 0; g < G; g++) {
-        const float sum = hsum(l[g]);
-        const float inv = sum == 0.f ? 0.f : 1.f / sum;  /* 0 only for an empty range */
-        store_row(out, (o_row0 + g) * head_dim, a + g * nc, inv, nc, bf16);
-        if (lse) lse[o_row0 + g] = sum == 0.f ? -INFINITY : m[g][0] + logf(sum);
+    /* the keys in groups of about TOUCH_BYTES of K and V rows (this walk's heads' part of
+     * each row): a group's rows are first read a word per cache line, in address order,
+     * then walked from cache */
+    const int64_t span_off = h0 * head_dim, span = nh * head_dim * (bf16 ? 2 : 4);
+    int64_t group_keys = TOUCH_BYTES / (2 * span) / 16 * 16;
+    if (group_keys < 16) group_keys = 16;
+    uint32_t sink = 0;
+    for (int64_t g0 = lo; g0 < hi; g0 += group_keys) {
+        const int64_t g1 = hi - g0 < group_keys ? hi : g0 + group_keys;
+        for (int64_t j0 = g0; j0 < g1;) {
+            const int64_t n = chunk_len(j0, g1, block_size);
+            const int64_t at = ((int64_t)table[j0 / block_size] * block_size + j0 % block_size)
+                               * key_stride + span_off;
+            sink |= touch_rows(d->k_cache, at, n, key_stride, span, bf16);
+            sink |= touch_rows(d->v_cache, at, n, key_stride, span, bf16);
+            j0 += n;
+        }
+        for (int64_t j0 = g0; j0 < g1;) {
+            const int64_t n = chunk_len(j0, g1, block_size);
+            const int64_t base = ((int64_t)table[j0 / block_size] * block_size
+                                  + j0 % block_size) * key_stride;
+            const i32x16 valid = lane < (int32_t)n;
+            for (int64_t p = 0; p < passes; p++)
+                pass_chunk(qs + p * G * nc, as + p * G * nc, ms + p * G, ls + p * G,
+                           d->k_cache, d->v_cache, base + (h0 + p / per_head) * head_dim,
+                           key_stride, n, valid, nc, G, bf16);
+            j0 += n;
+        }
+    }
+    __asm__ volatile("" : : "r"(sink));  /* the touches are kept: their value is "used" */
+    for (int64_t p = 0; p < passes; p++) {
+        const int64_t h = h0 + p / per_head, r0 = p % per_head * G;
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t s = p * G + g, row = (t * d->num_kv_heads + h) * group + r0 + g;
+            const float sum = hsum(ls[s]);
+            const float inv = sum == 0.f ? 0.f : 1.f / sum;  /* 0 only for an empty range */
+            store_row(d->out, row * head_dim, as + s * nc, inv, nc, bf16);
+            if (d->lse) d->lse[row] = sum == 0.f ? -INFINITY : ms[s][0] + logf(sum);
+        }
     }
 }
 
-/* How many query rows to walk together for nc chunks per row: their queries and
- * accumulators (2 * rows * nc vectors) must about fit in the 32 vector registers, or the
- * spills cost more than reading the chunk once more from L1 (measured: twice as slow). */
-INLINE int64_t pass_rows(int64_t nc) {
-    return nc <= 2 ? 4 : nc <= 4 ? 3 : nc <= 8 ? 2 : 1;
+/* How many query rows a pass takes for nc chunks per row: their queries and accumulators
+ * (2 * rows * nc vectors) must about fit in the 32 vector registers, or the spills cost
+ * more than reading the chunk once more from L1 (measured: twice as slow). The count
+ * divides group, so every pass of a head has the same rows. */
+INLINE int64_t pass_rows(int64_t nc, int64_t group) {
+    int64_t rows = nc <= 2 ? 4 : nc <= 4 ? 3 : nc <= 8 ? 2 : 1;
+    while (group % rows) rows--;
+    return rows;
 }
 
-/* walk_rows with constant nc and G for the common head sizes (32, 64, 128, 256). */
-INLINE void walk(
-        const void *q, int64_t q0, const void *k_cache, const void *v_cache,
-        const int32_t *table, int64_t lo, int64_t hi, int64_t block_size, int64_t key_stride,
-        int64_t head_off, float scale, void *out, float *lse, const void *init_out,
-        const float *init_lse, init_at at, int64_t o_row0, int64_t nc, int64_t rows,
-        const int bf16) {
-#define WALK(NC, G) walk_rows(q, q0, k_cache, v_cache, table, lo, hi, block_size,      \
-                              key_stride, head_off, scale, out, lse, init_out, init_lse, \
-                              at, o_row0, NC, G, bf16)
-    switch (nc * 16 + rows) {
+/* Heads per walk: the passes' state (2 * group * nc vectors a head) stays within 32 KiB. */
+#define STATE_VECTORS 256
+
+/* walk_heads with constant nc and G for the common head sizes (32, 64, 128, 256). */
+INLINE void walk(const decode_args *d, const int32_t *table, int64_t lo, int64_t hi,
+                 int64_t t, int64_t h0, int64_t nh, int64_t nc, const int bf16) {
+    const int64_t G = pass_rows(nc, d->group);
+#define WALK(NC, G) walk_heads(d, table, lo, hi, t, h0, nh, NC, G, bf16)
+    switch (nc * 16 + G) {
     case 2 * 16 + 1: WALK(2, 1); break;
     case 2 * 16 + 2: WALK(2, 2); break;
     case 2 * 16 + 3: WALK(2, 3); break;
@@ -240,36 +301,20 @@ INLINE void walk(
     case 8 * 16 + 1: WALK(8, 1); break;
     case 8 * 16 + 2: WALK(8, 2); break;
     case 16 * 16 + 1: WALK(16, 1); break;
-    default:  /* other head sizes: one row at a time, nc not constant */
-        for (int64_t g = 0; g < rows; g++) {
-            const init_at row = {at.out + g * at.out_step, at.out_step,
-                                 at.lse + g * at.lse_step, at.lse_step};
-            walk_rows(q, q0 + g * nc * 16, k_cache, v_cache, table, lo, hi, block_size,
-                      key_stride, head_off, scale, out, lse, init_out, init_lse, row,
-                      o_row0 + g, nc, 1, bf16);
-        }
+    default: WALK(nc, 1);  /* other head sizes: one row a pass, nc not constant */
     }
 #undef WALK
 }
 
-/* One work item: sequence t, KV heads [h0, h0 + nh), each head's query rows in passes. */
-INLINE void decode_item(
-        const void *q, int64_t q_token_stride, const void *k_cache, const void *v_cache,
-        const int32_t *table, int64_t lo, int64_t hi, int64_t t, int64_t h0, int64_t nh,
-        int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
-        float scale, void *out, float *lse, const void *init_out, const float *init_lse,
-        const int64_t *is, int bf16) {
-    const int64_t nc = head_dim / 16, key_stride = num_kv_heads * head_dim;
-    const int64_t per_pass = pass_rows(nc);
-    for (int64_t h = h0; h < h0 + nh; h++)
-        for (int64_t r0 = 0; r0 < group; r0 += per_pass) {
-            const int64_t rows = group - r0 < per_pass ? group - r0 : per_pass;
-            const init_at at = {t * is[0] + h * is[1] + r0 * is[2], is[2],
-                                t * is[3] + h * is[4] + r0 * is[5], is[5]};
-            walk(q, t * q_token_stride + (h * group + r0) * head_dim, k_cache, v_cache, table,
-                 lo, hi, block_size, key_stride, h * head_dim, scale, out, lse, init_out,
-                 init_lse, at, (t * num_kv_heads + h) * group + r0, nc, rows, bf16);
-        }
+/* One work item: sequence t, KV heads [h0, h0 + nh), in walks of as many heads as the
+ * state budget allows. */
+INLINE void decode_item(const decode_args *d, const int32_t *table, int64_t lo, int64_t hi,
+                        int64_t t, int64_t h0, int64_t nh, int64_t head_dim, int bf16) {
+    const int64_t nc = head_dim / 16;
+    int64_t per_walk = STATE_VECTORS / (2 * d->group * nc);
+    if (per_walk < 1) per_walk = 1;
+    for (int64_t h = h0; h < h0 + nh; h += per_walk)
+        walk(d, table, lo, hi, t, h, h0 + nh - h < per_walk ? h0 + nh - h : per_walk, nc, bf16);
 }
 
 INLINE int unsupported(int64_t group, int64_t head_dim, int64_t heads_per_item) {
@@ -294,15 +339,16 @@ int NAME(const T *q, int64_t q_token_stride, const T *k_cache, const T *v_cache,
          int64_t ls1, int64_t ls2, int64_t heads_per_item) {                                   \
     if (unsupported(group, head_dim, heads_per_item) || !init_out != !init_lse) return 1;     \
     const int64_t init_strides[6] = {os0, os1, os2, ls0, ls1, ls2};                           \
+    const decode_args d = {q, k_cache, v_cache, init_out, out, lse, init_lse, init_strides,    \
+                           q_token_stride, num_kv_heads, group, block_size, scale};            \
     const int64_t splits = (num_kv_heads + heads_per_item - 1) / heads_per_item;               \
     _Pragma("omp parallel for schedule(dynamic, 1)")                                           \
     for (int64_t item = 0; item < num_seqs * splits; item++) {                                 \
         const int64_t t = item / splits, h0 = (item % splits) * heads_per_item;                \
         const int64_t nh = num_kv_heads - h0 < heads_per_item ? num_kv_heads - h0              \
                                                               : heads_per_item;                \
-        decode_item(q, q_token_stride, k_cache, v_cache, block_tables + t * bt_stride, lo[t],  \
-                    hi[t], t, h0, nh, num_kv_heads, group, head_dim, block_size, scale, out,   \
-                    lse, init_out, init_lse, init_strides, BF16);                              \
+        decode_item(&d, block_tables + t * bt_stride, lo[t], hi[t], t, h0, nh, head_dim,       \
+                    BF16);                                                                     \
     }                                                                                          \
     return 0;                                                                                  \
 }

@@ -57,7 +57,8 @@ def run(kernel, batch, lo, hi, scale=0.3, query=None):
     (4, 2, 32, 16),    # the bench's tiny shape
     (3, 3, 64, 16),    # SmolLM2-135M
     (2, 4, 128, 16),   # Llama-style head_dim
-    (2, 4, 64, 16),    # query rows walked in passes of 3 and 1
+    (2, 4, 64, 16),    # passes of 2 rows (3 would fit the registers, but must divide 4)
+    (8, 4, 128, 16),   # a sequence's heads in two walks (their state over the budget)
     (1, 3, 256, 16),   # the largest head_dim
     (1, 1, 16, 8),     # blocks shorter than the 16-key chunk
     (5, 1, 48, 32),    # no GQA; blocks longer than a chunk
