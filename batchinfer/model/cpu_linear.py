@@ -75,18 +75,18 @@ def available(dtype: torch.dtype) -> bool:
 
 def _rows_independent(gen: torch.Generator) -> bool:
     """The float32 probe: a packed product's rows equal the same rows computed in products
-    of other row counts (decode and prefill sizes, odd and even), and F.linear's within
-    rounding."""
+    of other row counts (1 to 1100: decode and prefill sizes, odd and even), and F.linear's
+    within rounding."""
     for k, n in ((256, 688), (688, 256), (128, 1000)):
         weight = torch.randn(n, k, generator=gen)
         bias = torch.randn(n, generator=gen)
-        x = torch.randn(300, k, generator=gen)
+        x = torch.randn(1100, k, generator=gen)
         packed = pack(weight, 64)
         full = linear(x, packed, bias)
         if not torch.allclose(full, F.linear(x, weight, bias), rtol=1e-4, atol=1e-4):
             log.info("packed CPU products of float32 disagree with F.linear here; not used")
             return False
-        for start, rows in ((0, 1), (0, 7), (5, 16), (3, 64), (37, 255)):
+        for start, rows in ((0, 1), (0, 7), (5, 16), (3, 64), (37, 255), (70, 1024)):
             if not torch.equal(linear(x[start:start + rows], packed, bias),
                                full[start:start + rows]):
                 log.info("packed CPU products of float32 depend on the row count here; "
