@@ -128,6 +128,10 @@ DATASET_FLAGS = ("dataset_name", "dataset_path", "input_len", "output_len", "ran
 @click.option("--hf-batch-sizes", default="8,32,64,128,256", callback=_parse_int_list,
               help="Static-batching batch sizes to try (capped at the prompt count); the "
                    "fastest is reported.")
+@click.option("--num-runs", type=int, default=1, callback=_positive,
+              help="Run our engine (and transformers' static batching at its best batch "
+                   "size) this many times, alternating, and report the median run and the "
+                   "median of the per-run ratios: single runs on shared machines move.")
 @click.option("--model-stub", is_flag=True,
               help="Engine-overhead mode: the model's forward is a no-op; reports ms per "
                    "decode step at each of --num-seqs.")

@@ -150,4 +150,14 @@ def summary_lines(summary: dict) -> list[str]:
                                      f"Throughput ({label})"))
         lines.append(f"Ours vs {BASELINE_LABELS.get(name, name)}: "
                      f"{summary['ratios'][name]:.2f}x")
+    runs = summary.get("runs")
+    if runs is not None:
+        ours = runs["ours_output_tokens_per_second"]
+        line = f"Runs ({len(ours)}), output tokens/s: ours {', '.join(f'{x:.1f}' for x in ours)}"
+        if "hf_static_ratios" in runs:
+            static = ", ".join(f"{x:.1f}" for x in runs["hf_static_output_tokens_per_second"])
+            ratios = ", ".join(f"{x:.2f}x" for x in runs["hf_static_ratios"])
+            line += (f"; transformers static {static}; ours vs static per run {ratios} "
+                     f"(median {summary['ratios']['hf_static']:.2f}x)")
+        lines.append(line + "; the throughput lines above are each system's median run")
     return lines

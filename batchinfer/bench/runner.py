@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import platform
+import statistics
 
 import click
 import torch
@@ -147,6 +148,7 @@ def run_bench(opts: dict) -> dict:
         summary["prefill_tokens_saved_fraction"] = (
             1 - summary["prefill_tokens_computed"] / off["prefill_tokens_computed"])
 
+    model = None
     if opts["baseline"] == "hf":
         model = hf_baseline.load_hf_model(source, facts["dtype"], facts["device"], opts["seed"],
                                           trust_remote_code=opts["trust_remote_code"])
@@ -160,8 +162,6 @@ def run_bench(opts: dict) -> dict:
                 cb_error = f"{type(e).__name__}: {e}"
                 click.echo(f"transformers continuous batching failed, left out: {cb_error}",
                            err=True)
-        del model
-        _release_memory()
         summary["baselines"] = {r.name: report.baseline_summary(r, len(requests)) for r in runs}
         if cb_error is not None:
             summary["baselines"]["hf_cb"] = {"error": cb_error}
@@ -170,6 +170,11 @@ def run_bench(opts: dict) -> dict:
         if "prefix_caching_off" in summary:
             off = summary["prefix_caching_off"]
             off["ratios"] = {r.name: r.elapsed_s / off["elapsed_time"] for r in runs}
+    if opts.get("num_runs", 1) > 1:
+        summary = _repeat_runs(summary, source, opts, requests, model)
+    if model is not None:
+        del model
+        _release_memory()
 
     summary.update({
         "model": opts["model"], "model_path": source.path, "load_format": source.load_format,
@@ -185,14 +190,52 @@ def run_bench(opts: dict) -> dict:
     return summary
 
 
+def _repeat_runs(first: dict, source: ModelSource, opts: dict, requests: list[BenchRequest],
+                 model) -> dict:
+    """--num-runs: more runs of our engine on the same requests, each followed by
+    transformers' static batching at the batch size the first run found fastest (the model
+    stays loaded), so drift on the machine reaches both alike. The summary becomes our
+    median run's (by elapsed time) and the static baseline's median; runs lists every
+    run's output tokens/s, and the static ratio is the median of the per-run ratios."""
+    ours = [first]
+    static = first.get("baselines", {}).get("hf_static")
+    static_s = [static["elapsed_time"]] if static else []
+    for _ in range(opts["num_runs"] - 1):
+        ours.append(_run_ours(source, opts, opts["enable_prefix_caching"], requests)[0])
+        if static:
+            again = hf_baseline.run_static(model, requests, [static["batch_size"]])
+            static_s.append(again.elapsed_s)
+    median = sorted(ours, key=lambda s: s["elapsed_time"])[len(ours) // 2]
+    summary = {**first, **{k: v for k, v in median.items() if k in first}}
+    summary["runs"] = {"ours_output_tokens_per_second": [s["output_tokens_per_second"]
+                                                         for s in ours]}
+    if static:
+        per_run = [b / s["elapsed_time"] for s, b in zip(ours, static_s)]
+        summary["runs"]["hf_static_output_tokens_per_second"] = [
+            static["output_tokens"] / b for b in static_s]
+        summary["runs"]["hf_static_ratios"] = per_run
+        summary["baselines"]["hf_static"] = {
+            **static, **report.throughput_fields(static["num_requests"], static["prompt_tokens"],
+                                                 static["output_tokens"],
+                                                 statistics.median(static_s))}
+        summary["ratios"] = {**summary["ratios"], "hf_static": statistics.median(per_run)}
+        if "hf_cb" in summary["ratios"]:  # one CB run: against the median run of ours
+            cb = summary["baselines"]["hf_cb"]["elapsed_time"]
+            summary["ratios"]["hf_cb"] = cb / summary["elapsed_time"]
+    if "prefix_caching_speedup" in summary:  # caching off ran once, against the first run
+        summary["prefix_caching_speedup"] = (summary["prefix_caching_off"]["elapsed_time"]
+                                             / summary["elapsed_time"])
+    return summary
+
+
 def run_overhead(opts: dict) -> dict:
     """--model-stub: per-step engine time at each --num-seqs."""
     if opts["tensor_parallel_size"] > 1:
         raise ValueError("--model-stub measures the engine in one process; "
                          "drop --tensor-parallel-size")
-    if opts["baseline"] != "none" or opts["compare_prefix_caching"]:
+    if opts["baseline"] != "none" or opts["compare_prefix_caching"] or opts["num_runs"] > 1:
         raise ValueError("--model-stub measures the engine's own overhead, with no model to "
-                         "compare; drop --baseline / --compare-prefix-caching")
+                         "compare; drop --baseline / --compare-prefix-caching / --num-runs")
     # The stub never reads the KV cache, so one layer is enough; hidden size and vocabulary
     # (logits and sampler work) stay those of the shape.
     if os.path.isdir(opts["model"]):

@@ -100,6 +100,22 @@ def test_hf_baseline_reports_ratios(cache_dir):
     assert "Ours vs transformers static batching: " in out
 
 
+def test_num_runs_reports_the_median_run_and_ratio(cache_dir):
+    out, summary = run_bench(cache_dir, "--num-prompts", "4", "--input-len", "16",
+                             "--output-len", "4", "--baseline", "hf", "--hf-batch-sizes", "2,4",
+                             "--num-runs", "3")
+    runs = summary["runs"]
+    ours, static = runs["ours_output_tokens_per_second"], runs["hf_static_output_tokens_per_second"]
+    assert len(ours) == len(static) == len(runs["hf_static_ratios"]) == 3
+    for ratio, a, b in zip(runs["hf_static_ratios"], ours, static):
+        assert ratio == pytest.approx(a / b)  # each run against the static run after it
+    assert summary["output_tokens_per_second"] == pytest.approx(sorted(ours)[1])
+    assert summary["baselines"]["hf_static"]["output_tokens_per_second"] == \
+        pytest.approx(sorted(static)[1])
+    assert summary["ratios"]["hf_static"] == pytest.approx(sorted(runs["hf_static_ratios"])[1])
+    assert summary["output_tokens"] == 16 and "Runs (3), output tokens/s: ours " in out
+
+
 def test_model_stub_reports_ms_per_step(cache_dir):
     out, summary = run_bench(cache_dir, "--model-stub", "--num-seqs", "3,5",
                              "--context-len", "40", "--stub-steps", "4")
@@ -147,6 +163,7 @@ def test_a_failed_request_is_a_usage_error(cache_dir, tmp_path):
     (["--device", "cuda:99"], "device 'cuda:99'"),
     (["--workload", "shared-prefix", "--dataset-name", "random"], "drop --dataset-name"),
     (["--model-stub", "--baseline", "hf"], "drop --baseline"),
+    (["--num-runs", "0"], "--num-runs"),
     # a pool of 96 blocks caps max_model_len at 1536 tokens: the fix is a bigger pool
     (["--input-len", "1600", "--max-model-len", "2048"], "give the KV cache more room"),
     (["--input-len", "1600", "--max-model-len", "1024"], "raise --max-model-len"),
