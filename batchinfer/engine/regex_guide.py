@@ -503,20 +503,24 @@ class RegexGuide:
     def _step_many(self, states: np.ndarray, data: np.ndarray) -> np.ndarray:
         """automaton.step over arrays of live states and bytes; each distinct pair not
         taken before is computed once."""
+        self._cover_states()  # advance() may have made states the table has not seen
         nxt = self._moves[states, data]
         unknown = nxt == _UNKNOWN
         if unknown.any():
             pairs = np.unique(states[unknown] * 256 + data[unknown])
-            for pair in pairs.tolist():
-                target = self.automaton.step(pair // 256, pair % 256)
-                if max(pair // 256, target) >= len(self._moves):
-                    grown = np.full((2 * max(pair // 256, target) + 2, 256), _UNKNOWN,
-                                    dtype=np.int64)
-                    grown[:len(self._moves)] = self._moves
-                    self._moves = grown
-                self._moves[pair // 256, pair % 256] = target
+            targets = [self.automaton.step(pair // 256, pair % 256) for pair in pairs.tolist()]
+            self._cover_states()
+            self._moves[pairs // 256, pairs % 256] = targets
             nxt = self._moves[states, data]
         return nxt
+
+    def _cover_states(self) -> None:
+        """Grow the moves table to a row for every state the automaton has."""
+        count = len(self.automaton.sets)
+        if count > len(self._moves):
+            grown = np.full((2 * count, 256), _UNKNOWN, dtype=np.int64)
+            grown[:len(self._moves)] = self._moves
+            self._moves = grown
 
     def allowed(self, state: int) -> np.ndarray:
         """Token ids (not end-of-sequence), sorted, whose bytes keep a match possible from

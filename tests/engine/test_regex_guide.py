@@ -95,6 +95,16 @@ def test_allowed_tokens_are_those_whose_bytes_keep_a_match(llm):
             state = guide.advance(state, rng.choice(expected))
 
 
+def test_a_state_reached_only_by_advancing_can_be_listed():
+    # advance() makes automaton states the vectorised walk has not seen yet
+    guide = RegexGuide("a{40}", VocabBytes([b"a", b"b", b"aa", None]))
+    state = 0
+    for _ in range(16):
+        state = guide.advance(state, 2)
+    assert guide.allowed(state).tolist() == [0, 2]
+    assert guide.allowed(guide.advance(state, 0)).tolist() == [0, 2]  # 33 of 40: both still fit
+
+
 @pytest.mark.parametrize("pattern", [
     r"\d{3}-\d{4}", r"(yes|no|maybe)", r"[A-Z][a-z]{1,5} [0-9]{1,2}",
     r"\{\"label\": \"(pos|neg)\", \"score\": 0\.\d{2}\}", r"é+[a-c]{2}", r"(ha){1,4}!?"])
