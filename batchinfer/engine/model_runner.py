@@ -39,8 +39,10 @@ class RunnerRequest:
         # argmax is all this request ever needs from the sampler
         self.plain_greedy = (p.greedy and not p.uses_penalties and p.logprobs is None
                              and not p.min_tokens and not p.constrained)
-        self.choices = (ChoiceTrie(p.choice_token_ids) if p.choice_token_ids
-                        else RegexMatcher(p.regex_guide) if p.regex_guide is not None else None)
+        # what may come next in a structured output: a choice's trie or a regex's matcher
+        self.structure = (ChoiceTrie(p.choice_token_ids) if p.choice_token_ids
+                          else RegexMatcher(p.regex_guide) if p.regex_guide is not None
+                          else None)
         self._constraint_tensors = None
 
     def constraint_tensors(self, device: torch.device):
@@ -379,9 +381,9 @@ class ModelRunner:
         restricted = []
         for i, s in enumerate(states):
             allowed, bias = s.constraint_tensors(self.device)
-            if s.choices is not None:
-                allowed = s.choices.next_tokens(s.token_ids[s.num_prompt_tokens:],
-                                                self.eos_token_ids, self.device)
+            if s.structure is not None:
+                allowed = s.structure.next_tokens(s.token_ids[s.num_prompt_tokens:],
+                                                  self.eos_token_ids, self.device)
             if allowed is not None:
                 allowed_rows.append(torch.full_like(allowed, i))
                 allowed_ids.append(allowed)
