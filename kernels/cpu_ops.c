@@ -1,11 +1,14 @@
-/* Fused elementwise operations for bfloat16 models on CPUs, where torch runs each step as
- * its own pass over memory (converting to float32 and back every time). batchinfer's
- * kernels/cpu_ops.py builds this file on first use and calls it through ctypes.
+/* Fused elementwise operations for models on CPUs, where torch runs each step as its own
+ * pass over memory (for bfloat16, converting to float32 and back every time; for float32,
+ * with a temporary tensor between steps). batchinfer's kernels/cpu_ops.py builds this file
+ * on first use and calls it through ctypes.
  *
- * Each function rounds where torch's sequence of bfloat16 operations rounds, so silu_mul
- * gives torch's bits and rms_norm differs only where its float32 sum of squares, added in
- * another order, lands on the other side of a bfloat16 rounding boundary (a few in a
- * million elements, by one unit in the last place).
+ * For bfloat16 each function rounds where torch's sequence of bfloat16 operations rounds,
+ * so silu_mul gives torch's bits and rms_norm differs only where its float32 sum of
+ * squares, added in another order, lands on the other side of a bfloat16 rounding boundary
+ * (a few in a million elements, by one unit in the last place). For float32 nothing is
+ * rounded between steps, as in torch; the sum of squares' order and the exp polynomial
+ * (vexp against torch's) differ in the last bits.
  */
 #include <math.h>
 #include <stdint.h>
@@ -80,6 +83,44 @@ void rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *weight
             const f32x16 v = round_bf16(load_bf16(row + n32) * inv);
             store_bf16(o + n32, load_bf16(weight + n32) * v);
         }
+    }
+}
+
+/* The same two operations for float32: silu(gate) * up, and weight * (x / sqrt(mean(x^2) +
+ * eps)) with the residual add before it, each in one pass (n a multiple of 16). */
+void silu_mul_f32(const float *gate, const float *up, float *out, int64_t rows, int64_t n,
+                  int64_t gate_stride, int64_t up_stride, int64_t out_stride) {
+    #pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate + r * gate_stride, *u = up + r * up_stride;
+        float *o = out + r * out_stride;
+        for (int64_t i = 0; i < n; i += 16) {
+            const f32x16 x = load_f32(g + i);
+            store_f32(o + i, x / (1.0f + vexp(-x)) * load_f32(u + i));
+        }
+    }
+}
+
+void rms_norm_f32(const float *x, float *residual, const float *weight, float *out,
+                  int64_t rows, int64_t n, float eps) {
+    #pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * n;
+        float *o = out + r * n;
+        if (residual) {
+            float *sum = residual + r * n;
+            for (int64_t i = 0; i < n; i += 16)
+                store_f32(sum + i, load_f32(row + i) + load_f32(sum + i));
+            row = sum;
+        }
+        f32x16 acc = {0};
+        for (int64_t i = 0; i < n; i += 16) {
+            const f32x16 v = load_f32(row + i);
+            acc += v * v;
+        }
+        const float inv = 1.0f / sqrtf(hsum(acc) / (float)n + eps);
+        for (int64_t i = 0; i < n; i += 16)
+            store_f32(o + i, load_f32(weight + i) * (load_f32(row + i) * inv));
     }
 }
 

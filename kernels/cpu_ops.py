@@ -1,11 +1,12 @@
-"""Fused elementwise operations for bfloat16 models on CPUs (cpu_ops.c), built by
-cpu_build.py and called through ctypes.
+"""Fused elementwise operations for models on CPUs (cpu_ops.c), built by cpu_build.py and
+called through ctypes.
 
 torch runs RMSNorm as about eight passes over memory (nine with the residual add before
-it) and SiLU-times-up as two, each converting bfloat16 to float32 and back; these do each
-in one pass with torch's rounding (see cpu_ops.c). They apply to contiguous bfloat16 CPU tensors whose last dimension is a
-multiple of 16; for anything else, or when the library cannot be built, for_tensor()
-returns None and the model keeps to torch.
+it) and SiLU-times-up as two, for bfloat16 each converting to float32 and back, for
+float32 each writing a temporary; these do each in one pass, for bfloat16 with torch's
+rounding (see cpu_ops.c). They apply to contiguous bfloat16 and float32 CPU tensors whose
+last dimension is a multiple of 16; for anything else, or when the library cannot be built,
+for_tensor() returns None and the model keeps to torch.
 """
 from __future__ import annotations
 
@@ -23,45 +24,50 @@ class CpuOps:
     def __init__(self, path: Path):
         lib = ctypes.CDLL(str(path))
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._silu_mul = lib.silu_mul_bf16
-        self._silu_mul.argtypes = [p, p, p, i64, i64, i64, i64, i64]
-        self._silu_mul.restype = None
-        self._rms_norm = lib.rms_norm_bf16
-        self._rms_norm.argtypes = [p, p, p, p, i64, i64, ctypes.c_float]
-        self._rms_norm.restype = None
+        self._silu_mul = cpu_build.entry_points(
+            lib, {torch.bfloat16: "silu_mul_bf16", torch.float32: "silu_mul_f32"},
+            [p, p, p, i64, i64, i64, i64, i64], None)
+        self._rms_norm = cpu_build.entry_points(
+            lib, {torch.bfloat16: "rms_norm_bf16", torch.float32: "rms_norm_f32"},
+            [p, p, p, p, i64, i64, ctypes.c_float], None)
         self._argmax = cpu_build.entry_points(
             lib, {torch.bfloat16: "argmax_bf16", torch.float32: "argmax_f32"},
             [p, i64, i64, i64, p], None)
 
     @staticmethod
     def handles(x: torch.Tensor) -> bool:
-        return (x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.dim() >= 1
+        return (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32)
+                and x.dim() >= 1
                 and x.shape[-1] % 16 == 0 and x.is_contiguous())
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> torch.Tensor:
-        """weight * round(x / sqrt(mean(x^2) + eps)) over the last dimension. With residual:
-        residual += x (in place, rounded as torch's add), and the sum is what is normalised."""
+        """weight * round(x / sqrt(mean(x^2) + eps)) over the last dimension (the rounding
+        only for bfloat16). With residual: residual += x (in place, rounded as torch's add),
+        and the sum is what is normalised."""
         if not (self.handles(x) and weight.dtype == x.dtype and weight.is_contiguous()
                 and weight.shape == x.shape[-1:] and weight.device.type == "cpu"
                 and (residual is None or (self.handles(residual) and residual.shape == x.shape
+                                          and residual.dtype == x.dtype
                                           and residual.data_ptr() != x.data_ptr()))):
             raise ValueError("cpu rms_norm: arguments out of contract")
         out = torch.empty_like(x)
         n = x.shape[-1]
-        self._rms_norm(x.data_ptr(), residual.data_ptr() if residual is not None else None,
-                       weight.data_ptr(), out.data_ptr(), x.numel() // n, n, eps)
+        self._rms_norm[x.dtype](x.data_ptr(),
+                                residual.data_ptr() if residual is not None else None,
+                                weight.data_ptr(), out.data_ptr(), x.numel() // n, n, eps)
         return out
 
     def silu_mul_(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """gate = silu(gate) * up, in place; returns gate."""
-        if not (self.handles(gate) and self.handles(up) and up.shape == gate.shape):
+        if not (self.handles(gate) and self.handles(up) and up.shape == gate.shape
+                and up.dtype == gate.dtype):
             raise ValueError("cpu silu_mul: arguments out of contract")
         n = gate.shape[-1]
         rows = gate.numel() // n
-        self._silu_mul(gate.data_ptr(), up.data_ptr(), gate.data_ptr(), rows, n, n, n, n)
+        self._silu_mul[gate.dtype](gate.data_ptr(), up.data_ptr(), gate.data_ptr(), rows, n,
+                                   n, n, n)
         return gate
-
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """Row-wise argmax of bfloat16 or float32 [rows, n] (rows may be strided), as
@@ -81,7 +87,8 @@ def load() -> CpuOps | None:
 
 
 def for_tensor(x: torch.Tensor) -> CpuOps | None:
-    """The ops when they apply to x (bfloat16, CPU, contiguous, last dim a multiple of 16)."""
+    """The ops when they apply to x (bfloat16 or float32, CPU, contiguous, last dim a
+    multiple of 16)."""
     if not CpuOps.handles(x):
         return None
     return load()

@@ -1,5 +1,5 @@
-"""Fused bfloat16 elementwise ops for CPUs (kernels/cpu_ops.c) against torch's own
-sequence of operations, and the model layers that use them."""
+"""Fused elementwise ops for CPUs (kernels/cpu_ops.c) against torch's own sequence of
+operations, in bfloat16 and float32, and the model layers that use them."""
 from __future__ import annotations
 
 import pytest
@@ -61,21 +61,53 @@ def test_rms_norm_with_the_residual_add_fused(ops):
         ops.rms_norm(x, weight, 1e-5, x)  # the residual may not be x itself
 
 
-def test_only_contiguous_bfloat16_cpu_tensors_with_16_multiple_rows(ops):
+@pytest.mark.parametrize("shape", [(1, 16), (37, 576), (2, 9, 1536)])
+def test_float32_silu_mul_within_a_few_ulp_of_torch(ops, shape):
+    gen = torch.Generator().manual_seed(shape[-1])
+    gate = torch.randn(shape, generator=gen) * 6
+    up = torch.randn(shape, generator=gen)
+    gate.view(-1)[:4] = torch.tensor([0.0, -0.0, 90.0, -90.0])
+    expected = F.silu(gate).mul(up)
+    out = ops.silu_mul_(gate.clone(), up)
+    # exp's polynomial differs from torch's in the last bits
+    torch.testing.assert_close(out, expected, rtol=4e-7, atol=1e-30)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_float32_rms_norm_within_a_few_ulp_of_transformers(ops, residual):
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(300, 576, generator=gen) * 4
+    res = torch.randn(300, 576, generator=gen) * 4
+    weight = torch.randn(576, generator=gen)
+    summed = res + x
+    source = summed if residual else x
+    expected = weight * (source * torch.rsqrt(source.pow(2).mean(-1, keepdim=True) + 1e-5))
+    res_in = res.clone()
+    out = ops.rms_norm(x, weight, 1e-5, res_in if residual else None)
+    if residual:
+        assert torch.equal(res_in, summed)  # the same float32 add as torch's
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-30)
+    with pytest.raises(ValueError, match="out of contract"):  # one dtype for all
+        ops.rms_norm(x, weight.bfloat16(), 1e-5)
+
+
+def test_only_contiguous_bfloat16_or_float32_cpu_tensors_with_16_multiple_rows(ops):
     assert cpu_ops.for_tensor(torch.zeros(4, 32, dtype=torch.bfloat16)) is ops
-    assert cpu_ops.for_tensor(torch.zeros(4, 32)) is None                      # float32
+    assert cpu_ops.for_tensor(torch.zeros(4, 32)) is ops                        # float32
+    assert cpu_ops.for_tensor(torch.zeros(4, 32, dtype=torch.float16)) is None
     assert cpu_ops.for_tensor(torch.zeros(4, 40, dtype=torch.bfloat16)) is None  # 40 % 16
     assert cpu_ops.for_tensor(torch.zeros(4, 64, dtype=torch.bfloat16)[:, :32]) is None
     with pytest.raises(ValueError, match="out of contract"):
         ops.rms_norm(torch.zeros(4, 32, dtype=torch.bfloat16), torch.zeros(16, dtype=torch.bfloat16), 1e-6)
 
 
-def test_bfloat16_engine_output_with_and_without_the_ops(llama_dir, monkeypatch):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_engine_output_with_and_without_the_ops(llama_dir, monkeypatch, dtype):
     prompts = ["The quick brown fox", "Batch inference on a CPU", "a b c d e f g"]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     with_ops = [o.outputs[0].token_ids
-                for o in LLM(model=str(llama_dir), dtype="bfloat16").generate(prompts, params)]
+                for o in LLM(model=str(llama_dir), dtype=dtype).generate(prompts, params)]
     monkeypatch.setattr(cpu_ops, "load", lambda: None)
     without = [o.outputs[0].token_ids
-               for o in LLM(model=str(llama_dir), dtype="bfloat16").generate(prompts, params)]
+               for o in LLM(model=str(llama_dir), dtype=dtype).generate(prompts, params)]
     assert with_ops == without
