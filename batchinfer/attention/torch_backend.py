@@ -11,8 +11,9 @@ flash call each.
 
 Cascade: when sequences share leading blocks (a common system prompt) that lie wholly
 before all of their queries, those blocks are attended once for the whole batch — one
-dense product of every query row against the shared K/V — and only each sequence's own
-tail is gathered. The two partial results are merged by their log-sum-exp (the C decode
+dense product of every query row against the shared K/V (for bfloat16 on CPUs with its
+dot-product instructions, a C kernel: kernels/cpu_shared_prefix.py) — and only each
+sequence's own tail is gathered. The two partial results are merged by their log-sum-exp (the C decode
 kernels take the shared result as their starting point and merge as they go). That removes
 the shared part from every per-sequence copy, which on CPU is most of the cost.
 """
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from batchinfer.kernels import cpu_decode, cpu_prefill
+from batchinfer.kernels import cpu_decode, cpu_prefill, cpu_shared_prefix
 
 from .metadata import AttentionMetadata
 
@@ -111,8 +112,8 @@ class TorchAttention:
         self._use_cpu_kernel = use_cpu_kernel
 
     def _cpu_kernel(self, module, query: torch.Tensor, num_kv_heads: int):
-        """module's C kernel (cpu_decode or cpu_prefill; built on first use) when it applies
-        to this device, dtype and head shape."""
+        """module's C kernel (cpu_decode, cpu_prefill or cpu_shared_prefix; built on first use)
+        when it applies to this device, dtype and head shape."""
         if not self._use_cpu_kernel or query.device.type != "cpu":
             return None
         kernel = module.load()
@@ -279,12 +280,18 @@ class TorchAttention:
         shared = shared_lse = None
         if cascade:
             # shared part: every query row of the batch in one product against the shared K/V
-            qs = q.permute(1, 0, 2, 3).reshape(1, num_kv_heads, num_tokens * group, head_dim)
-            ks = k_flat.index_select(0, plan.shared_slots).transpose(0, 1)[None].to(query.dtype)
-            vs = v_flat.index_select(0, plan.shared_slots).transpose(0, 1)[None].to(query.dtype)
-            shared, shared_lse = _attention_with_lse(qs, ks, vs, None, scale)
-            shared = shared.view(num_kv_heads, num_tokens, group, head_dim).transpose(0, 1)
-            shared_lse = shared_lse.view(num_kv_heads, num_tokens, group).transpose(0, 1)
+            ks = k_flat.index_select(0, plan.shared_slots).to(query.dtype)
+            vs = v_flat.index_select(0, plan.shared_slots).to(query.dtype)
+            shared_kernel = self._cpu_kernel(cpu_shared_prefix, query, num_kv_heads)
+            if shared_kernel is not None:
+                shared, shared_lse = shared_kernel(query, ks, vs, scale)
+            else:
+                qs = q.permute(1, 0, 2, 3).reshape(1, num_kv_heads, num_tokens * group,
+                                                   head_dim)
+                shared, shared_lse = _attention_with_lse(
+                    qs, ks.transpose(0, 1)[None], vs.transpose(0, 1)[None], None, scale)
+                shared = shared.view(num_kv_heads, num_tokens, group, head_dim).transpose(0, 1)
+                shared_lse = shared_lse.view(num_kv_heads, num_tokens, group).transpose(0, 1)
             if plan.token_not_member is not None:
                 shared_lse = shared_lse.masked_fill(plan.token_not_member[:, None, None],
                                                     float("-inf"))
