@@ -3,12 +3,12 @@ cpu_build.py and called through ctypes.
 
 A cascade's shared part is every query row of a step against one short run of keys (the
 cached prefix they all share), with no mask. torch's flash kernel takes it at a fraction of
-the speed of the model's bfloat16 products; this kernel runs it as two register-blocked
-products on the CPU's bfloat16 dot-product instructions with the softmax between them,
-reading the queries in place (SmolLM2's heads on a 2-core Zen 4, 256 shared keys: 8.8 ms
-against flash's 18-20 ms for a 4096-token prefill step, 0.27 against 0.67 ms for 128
-decodes). It applies to bfloat16 on CPUs that have those instructions
-(AVX512-BF16); elsewhere, or when it cannot be built (see cpu_build.py), load() returns
+the speed of the model's products; this kernel runs it as two register-blocked products
+with the softmax between them, reading the queries in place: for bfloat16 on the CPU's
+bfloat16 dot-product instructions (SmolLM2's heads on a 2-core Zen 4, 256 shared keys:
+8.8 ms against flash's 18-20 ms for a 4096-token prefill step, 0.27 against 0.67 ms for
+128 decodes). float32 runs anywhere; bfloat16 on CPUs with those instructions
+(AVX512-BF16). Elsewhere, or when it cannot be built (see cpu_build.py), load() returns
 None or supports() is false, and the torch path runs.
 """
 from __future__ import annotations
@@ -25,23 +25,24 @@ MAX_HEAD_DIM = 256
 
 
 class CpuSharedPrefixKernel:
-    """shared_prefix_cpu.c's entry point, with the argument checks that keep it in bounds."""
+    """shared_prefix_cpu.c's entry points, with the argument checks that keep it in bounds."""
 
     def __init__(self, path: Path):
         self.path = path
         lib = ctypes.CDLL(str(path))
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._fn = lib.shared_prefix_bf16
-        self._fn.argtypes = [p, i64, p, p, i64, i64, i64, i64, i64, ctypes.c_float, p, p, p]
-        self._fn.restype = ctypes.c_int
+        self._fns = cpu_build.entry_points(
+            lib, {torch.float32: "shared_prefix_f32", torch.bfloat16: "shared_prefix_bf16"},
+            [p, i64, p, p, i64, i64, i64, i64, i64, ctypes.c_float, p, p, p], ctypes.c_int)
+        if not lib.shared_prefix_bf16_available():
+            del self._fns[torch.bfloat16]
         self._scratch_words = lib.shared_prefix_scratch_words
-        self._scratch_words.argtypes, self._scratch_words.restype = [i64, i64, i64], i64
-        self.available = bool(lib.shared_prefix_available())
+        self._scratch_words.argtypes, self._scratch_words.restype = [i64, i64, i64, i64], i64
         self._scratch: torch.Tensor | None = None  # the keys laid out, reused across calls
 
     def supports(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
                  head_dim: int) -> bool:
-        return (self.available and dtype == torch.bfloat16 and head_dim % 16 == 0
+        return (dtype in self._fns and head_dim % 16 == 0
                 and 0 < head_dim <= MAX_HEAD_DIM and num_heads % num_kv_heads == 0)
 
     def __call__(self, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
@@ -61,12 +62,14 @@ class CpuSharedPrefixKernel:
         group = num_heads // num_kv_heads
         out = torch.empty(num_tokens, num_kv_heads, group, head_dim, dtype=query.dtype)
         lse = torch.empty(num_tokens, num_kv_heads, group, dtype=torch.float32)
-        need = self._scratch_words(num_keys, num_kv_heads, head_dim)
+        need = self._scratch_words(num_keys, num_kv_heads, head_dim,
+                                   int(query.dtype == torch.bfloat16))
         if self._scratch is None or self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.int32)
-        rc = self._fn(query.data_ptr(), query.stride(0), k.data_ptr(), v.data_ptr(),
-                      num_tokens, num_keys, num_kv_heads, group, head_dim, scale,
-                      out.data_ptr(), lse.data_ptr(), self._scratch.data_ptr())
+        rc = self._fns[query.dtype](
+            query.data_ptr(), query.stride(0), k.data_ptr(), v.data_ptr(), num_tokens,
+            num_keys, num_kv_heads, group, head_dim, scale, out.data_ptr(), lse.data_ptr(),
+            self._scratch.data_ptr())
         if rc != 0:
             raise ValueError(f"cpu shared-prefix kernel rejected head_dim={head_dim}")
         return out, lse

@@ -1,5 +1,6 @@
 """The C shared-prefix attention kernel (kernels/shared_prefix_cpu.c) against attention in
-float32, next to torch's flash kernel on the same bfloat16 inputs."""
+float32: float32 inputs within float32 rounding, bfloat16 inputs as closely as torch's flash
+kernel gets on the same inputs."""
 from __future__ import annotations
 
 import pytest
@@ -10,18 +11,16 @@ from batchinfer.kernels import cpu_shared_prefix
 
 @pytest.fixture(scope="module")
 def kernel(built_or_skip):
-    k = built_or_skip(cpu_shared_prefix.load(), "the shared-prefix kernel")
-    if not k.available:
-        pytest.skip("this CPU has no bfloat16 dot-product instructions")
-    return k
+    return built_or_skip(cpu_shared_prefix.load(), "the shared-prefix kernel")
 
 
 def exact(q, k, v, scale):
-    """(out [T, Hkv, G, D], lse [T, Hkv, G]) in float32 from the bfloat16 inputs."""
+    """(out [T, Hkv, G, D], lse [T, Hkv, G]) in float32 (float64 products) from the inputs."""
     t, h, d = q.shape
     hkv = k.shape[1]
-    s = torch.einsum("thgd,phd->thgp", q.float().view(t, hkv, h // hkv, d), k.float()) * scale
-    return torch.einsum("thgp,phd->thgd", torch.softmax(s, -1), v.float()), s.logsumexp(-1)
+    s = torch.einsum("thgd,phd->thgp", q.double().view(t, hkv, h // hkv, d), k.double()) * scale
+    out = torch.einsum("thgp,phd->thgd", torch.softmax(s, -1), v.double())
+    return out.float(), s.logsumexp(-1).float()
 
 
 def flash(q, k, v, scale):
@@ -35,36 +34,42 @@ def flash(q, k, v, scale):
 
 # (tokens, keys, KV heads, group, head_dim): keys past one 64-key tile and one 512-key
 # softmax block, and short of either; head sizes with 1 to 16 vectors of 16; MHA and GQA
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens, keys, kv_heads, group, head_dim", [
     (1, 5, 1, 1, 16), (7, 64, 2, 3, 48), (37, 100, 3, 3, 64), (300, 256, 4, 2, 32),
     (9, 513, 2, 4, 128), (5, 1100, 1, 2, 256), (130, 129, 8, 1, 80),
 ])
-def test_matches_float32_attention_as_closely_as_flash(kernel, tokens, keys, kv_heads, group,
-                                                      head_dim):
+def test_matches_exact_attention(kernel, dtype, tokens, keys, kv_heads, group, head_dim):
+    if not kernel.supports(dtype, kv_heads * group, kv_heads, head_dim):
+        pytest.skip(f"this CPU has no {dtype} dot-product instructions")
     gen = torch.Generator().manual_seed(tokens * keys)
     # a strided query (rows of a wider tensor), scores spread over a wide range
     wide = torch.randn(tokens, kv_heads * group + 3, head_dim, generator=gen) * 3
-    q = wide.bfloat16()[:, :kv_heads * group]
-    k = torch.randn(keys, kv_heads, head_dim, generator=gen).bfloat16()
-    v = torch.randn(keys, kv_heads, head_dim, generator=gen).bfloat16()
+    q = wide.to(dtype)[:, :kv_heads * group]
+    k = torch.randn(keys, kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(keys, kv_heads, head_dim, generator=gen).to(dtype)
     scale = head_dim ** -0.5
     out, lse = kernel(q, k, v, scale)
     want, want_lse = exact(q, k, v, scale)
-    assert out.dtype == torch.bfloat16 and out.shape == (tokens, kv_heads, group, head_dim)
+    assert out.dtype == dtype and out.shape == (tokens, kv_heads, group, head_dim)
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
-    # the output rounds to bfloat16 and its weights were rounded too, as flash's are
-    err = (out.float() - want).abs().max().item()
-    flash_err = (flash(q, k, v, scale).float() - want).abs().max().item()
-    assert err <= 1.25 * flash_err + 1e-3
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    else:  # the output rounds to bfloat16 and its weights were rounded too, as flash's are
+        err = (out.float() - want).abs().max().item()
+        flash_err = (flash(q, k, v, scale).float() - want).abs().max().item()
+        assert err <= 1.25 * flash_err + 1e-3
 
 
 def test_out_of_contract_arguments_are_refused(kernel):
     q = torch.zeros(4, 6, 64, dtype=torch.bfloat16)
     k = torch.zeros(10, 2, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="out of contract"):
-        kernel(q.float(), k.float(), k.float(), 0.1)          # float32: torch's path
+        kernel(q.half(), k.half(), k.half(), 0.1)             # float16: torch's path
+    with pytest.raises(ValueError, match="out of contract"):
+        kernel(q.float(), k, k, 0.1)                           # dtypes differ
     with pytest.raises(ValueError, match="out of contract"):
         kernel(q, k[:, :1], k, 0.1)                            # K and V shapes differ
     with pytest.raises(ValueError, match="out of contract"):
         kernel(q.transpose(1, 2), k, k, 0.1)                   # head_dim not contiguous
-    assert not kernel.supports(torch.bfloat16, 6, 2, 40)       # not a multiple of 16
+    assert not kernel.supports(torch.float32, 6, 2, 40)        # not a multiple of 16
