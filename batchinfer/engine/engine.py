@@ -255,10 +255,17 @@ class LLMEngine:
             token_ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
             vocab = self.model_config.vocab_size
-            if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
-                       and 0 <= t < vocab for t in prompt):
+            if prompt and set(map(type, prompt)) == {int}:
+                # plain ints (the common case) checked in C loops: ~10x faster than the
+                # per-element test below, which a 10k-token prompt would feel
+                if not (min(prompt) >= 0 and max(prompt) < vocab):
+                    raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+                token_ids = list(prompt)
+            elif not all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                         and 0 <= t < vocab for t in prompt):
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-            token_ids = [int(t) for t in prompt]
+            else:
+                token_ids = [int(t) for t in prompt]
         else:
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not token_ids:

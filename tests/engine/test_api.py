@@ -105,6 +105,13 @@ def test_token_ids_of_any_integer_type(llm):
     assert [o.outputs[0].token_ids for o in batch] == [expected, expected]
 
 
+def test_token_ids_out_of_range_or_not_integers_fail(llm):
+    # plain ints take a fast check; anything else the per-element one
+    for bad in ([1, -3], [1, 2 ** 40], [1, True], [1, 2.0], [np.int64(1), -1]):
+        out = llm.generate([bad], GREEDY)[0]
+        assert out.error is not None and "token ids must be integers" in out.error, bad
+
+
 def test_a_bad_argument_part_way_through_generate_leaves_nothing_behind(llm):
     with pytest.raises(AttributeError):
         llm.generate([[1, 2, 3], [4, 5, 6]], [GREEDY, {}])  # the second params are no params
