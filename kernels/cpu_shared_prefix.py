@@ -8,12 +8,14 @@ with the softmax between them, reading the queries in place: for bfloat16 on the
 bfloat16 dot-product instructions (SmolLM2's heads on a 2-core Zen 4, 256 shared keys:
 8.8 ms against flash's 18-20 ms for a 4096-token prefill step, 0.27 against 0.67 ms for
 128 decodes). float32 runs anywhere; bfloat16 on CPUs with those instructions
-(AVX512-BF16). Elsewhere, or when it cannot be built (see cpu_build.py), load() returns
-None or supports() is false, and the torch path runs.
+(AVX512-BF16) and without AMX, where torch's flash kernel runs its products on the matrix
+units and this kernel is unmeasured. Elsewhere, or when it cannot be built (see
+cpu_build.py), load() returns None or supports() is false, and the torch path runs.
 """
 from __future__ import annotations
 
 import ctypes
+import threading
 from pathlib import Path
 
 import torch
@@ -34,11 +36,13 @@ class CpuSharedPrefixKernel:
         self._fns = cpu_build.entry_points(
             lib, {torch.float32: "shared_prefix_f32", torch.bfloat16: "shared_prefix_bf16"},
             [p, i64, p, p, i64, i64, i64, i64, i64, ctypes.c_float, p, p, p], ctypes.c_int)
-        if not lib.shared_prefix_bf16_available():
+        if not lib.shared_prefix_bf16_available() or _has_amx():
             del self._fns[torch.bfloat16]
         self._scratch_words = lib.shared_prefix_scratch_words
         self._scratch_words.argtypes, self._scratch_words.restype = [i64, i64, i64, i64], i64
-        self._scratch: torch.Tensor | None = None  # the keys laid out, reused across calls
+        # the keys laid out, reused across calls: one buffer per thread, since the call
+        # releases the GIL (engines in two threads would otherwise share it)
+        self._local = threading.local()
 
     def supports(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
                  head_dim: int) -> bool:
@@ -64,15 +68,25 @@ class CpuSharedPrefixKernel:
         lse = torch.empty(num_tokens, num_kv_heads, group, dtype=torch.float32)
         need = self._scratch_words(num_keys, num_kv_heads, head_dim,
                                    int(query.dtype == torch.bfloat16))
-        if self._scratch is None or self._scratch.numel() < need:
-            self._scratch = torch.empty(need, dtype=torch.int32)
+        scratch = getattr(self._local, "scratch", None)
+        if scratch is None or scratch.numel() < need:
+            scratch = self._local.scratch = torch.empty(need, dtype=torch.int32)
         rc = self._fns[query.dtype](
             query.data_ptr(), query.stride(0), k.data_ptr(), v.data_ptr(), num_tokens,
             num_keys, num_kv_heads, group, head_dim, scale, out.data_ptr(), lse.data_ptr(),
-            self._scratch.data_ptr())
+            scratch.data_ptr())
         if rc != 0:
             raise ValueError(f"cpu shared-prefix kernel rejected head_dim={head_dim}")
         return out, lse
+
+
+def _has_amx() -> bool:
+    """Whether this CPU has AMX's bfloat16 matrix units (Linux; False where unknown)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " amx_bf16" in line for line in f)
+    except OSError:
+        return False
 
 
 def load() -> CpuSharedPrefixKernel | None:

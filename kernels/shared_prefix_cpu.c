@@ -139,7 +139,8 @@ INLINE void scores64(const float *qf, const uint32_t *qw, const uint32_t *kp,
 
 /* 2^x for x <= 0 (Cephes' exp2f polynomial on [-0.5, 0.5]); x below -125, -inf included,
  * counts as -125, so the exponent stays in range: 2^-125 is nothing next to the weight 1
- * of a row's largest score. */
+ * of a row's largest score. (A NaN score is not carried through: a row with one gives
+ * finite garbage where torch gives NaN.) */
 INLINE f32x16 exp2_nonpositive(f32x16 x) {
     x = vmax(x, (f32x16){0} - 125.0f);
     const float magic = 12582912.0f;  /* 1.5 * 2^23: adding it rounds to an integer */

@@ -11,10 +11,10 @@ flash call each.
 
 Cascade: when sequences share leading blocks (a common system prompt) that lie wholly
 before all of their queries, those blocks are attended once for the whole batch — one
-dense product of every query row against the shared K/V (for bfloat16 on CPUs with its
-dot-product instructions, a C kernel: kernels/cpu_shared_prefix.py) — and only each
-sequence's own tail is gathered. The two partial results are merged by their log-sum-exp (the C decode
-kernels take the shared result as their starting point and merge as they go). That removes
+dense product of every query row against the shared K/V (on CPU a C kernel where it
+applies: kernels/cpu_shared_prefix.py) — and only each sequence's own tail is gathered. The
+two partial results are merged by their log-sum-exp (the C decode kernels take the shared
+result as their starting point and merge as they go). That removes
 the shared part from every per-sequence copy, which on CPU is most of the cost.
 """
 from __future__ import annotations
@@ -283,7 +283,8 @@ class TorchAttention:
             ks = k_flat.index_select(0, plan.shared_slots).to(query.dtype)
             vs = v_flat.index_select(0, plan.shared_slots).to(query.dtype)
             shared_kernel = self._cpu_kernel(cpu_shared_prefix, query, num_kv_heads)
-            if shared_kernel is not None:
+            if shared_kernel is not None and query.stride(2) == 1 \
+                    and query.stride(1) == head_dim:
                 shared, shared_lse = shared_kernel(query, ks, vs, scale)
             else:
                 qs = q.permute(1, 0, 2, 3).reshape(1, num_kv_heads, num_tokens * group,

@@ -31,7 +31,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); with residual, (norm(x + residual), x + residual): the residual add
         fused into the norm (residual may be updated in place)."""
-        ops = cpu_ops.for_tensor(x)  # bfloat16 on CPU: one fused pass, same rounding
+        ops = cpu_ops.for_tensor(x)  # bfloat16/float32 on CPU: one fused pass
         if ops is not None and (residual is None or ops.handles(residual)):
             out = ops.rms_norm(x, self.weight, self.eps, residual)
             return out if residual is None else (out, residual)

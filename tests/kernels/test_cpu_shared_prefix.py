@@ -70,6 +70,33 @@ def test_out_of_contract_arguments_are_refused(kernel):
         kernel(q.float(), k, k, 0.1)                           # dtypes differ
     with pytest.raises(ValueError, match="out of contract"):
         kernel(q, k[:, :1], k, 0.1)                            # K and V shapes differ
+    strided = torch.zeros(4, 64, 6).transpose(1, 2)            # [4, 6, 64], head_dim strided
     with pytest.raises(ValueError, match="out of contract"):
-        kernel(q.transpose(1, 2), k, k, 0.1)                   # head_dim not contiguous
+        kernel(strided, k.float(), k.float(), 0.1)
     assert not kernel.supports(torch.float32, 6, 2, 40)        # not a multiple of 16
+
+
+def test_threads_calling_at_once_keep_their_own_scratch(kernel):
+    """The call releases the GIL: two threads with different key counts must not lay their
+    keys out in one buffer."""
+    import threading
+    gen = torch.Generator().manual_seed(3)
+    cases = []
+    for keys in (40, 700):  # calls long enough to overlap
+        q = torch.randn(512, 4, 32, generator=gen)
+        k, v = (torch.randn(keys, 2, 32, generator=gen) for _ in range(2))
+        cases.append((q, k, v, exact(q, k, v, 0.2)[0]))
+    errors = []
+
+    def work(q, k, v, want):
+        for _ in range(30):
+            out, _ = kernel(q, k, v, 0.2)
+            if not torch.allclose(out, want, rtol=1e-4, atol=1e-4):
+                errors.append(k.shape[0])
+
+    threads = [threading.Thread(target=work, args=case) for case in cases]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
