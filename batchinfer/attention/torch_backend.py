@@ -14,8 +14,8 @@ before all of their queries, those blocks are attended once for the whole batch 
 dense product of every query row against the shared K/V (on CPU a C kernel where it
 applies: kernels/cpu_shared_prefix.py) — and only each sequence's own tail is gathered. The
 two partial results are merged by their log-sum-exp (the C decode kernels take the shared
-result as their starting point and merge as they go). That removes
-the shared part from every per-sequence copy, which on CPU is most of the cost.
+result as their starting point and merge as they go). That removes the shared part from
+every per-sequence copy, which on CPU is most of the cost.
 """
 from __future__ import annotations
 
