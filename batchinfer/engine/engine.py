@@ -337,6 +337,9 @@ class LLMEngine:
                 req.metrics.first_token_time = now
             if req.logprobs is not None:
                 self._record_logprobs(req, token, result.logprobs[i])
+            if (req.detokenizer is None and token not in req.stop_token_ids
+                    and len(req.token_ids) < req.length_limit):
+                continue  # _check_stop's answer for most tokens, without the call
             status = self._check_stop(req, token)
             if status is not None:
                 req.metrics.finished_time = now

@@ -61,13 +61,11 @@ class KVCacheManager:
         nothing) when the pool cannot hold them. The prefix-cache counters count a request
         when it is admitted (here), not each time a waiting request is queried."""
         total = request.num_computed_tokens + num_computed_tokens + num_new_tokens
+        if not computed_blocks and total <= request.kv_room:
+            return []  # the common decode step: room in the last block, nothing to cache
         blocks = self.req_blocks.get(request.request_id)
         if blocks is None:
             blocks = self.req_blocks[request.request_id] = []
-        elif (not computed_blocks and total <= len(blocks) * self.block_size
-                and (not self.enable_caching
-                     or total // self.block_size <= self.num_cached_blocks.get(request.request_id, 0))):
-            return []  # the common decode step: room in the last block, nothing to cache
         admitted = not blocks
         num_new = _cdiv(total, self.block_size) - len(blocks) - len(computed_blocks)
         reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)
@@ -83,8 +81,13 @@ class KVCacheManager:
             blocks.extend(computed_blocks)
         new = self.pool.allocate(num_new) if num_new > 0 else []
         blocks.extend(new)
+        room = len(blocks) * self.block_size
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, total // self.block_size)
+            # the block being filled must be registered once it is full
+            room = min(room, (self.num_cached_blocks.get(request.request_id, 0) + 1)
+                       * self.block_size - 1)
+        request.kv_room = room
         return new
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_full: int) -> None:
@@ -97,6 +100,7 @@ class KVCacheManager:
         self.num_cached_blocks[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
+        request.kv_room = 0
         blocks = self.req_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
         self.pool.free(blocks[::-1])

@@ -42,9 +42,13 @@ class Request:
         self.status = RequestStatus.WAITING
         self.block_hashes: list[int] = []  # chained hashes of full blocks, filled lazily
         self.num_cached_tokens = -1        # prefix-cache hit at first scheduling
+        # the most tokens (computed + scheduled) its KV blocks take with no block to
+        # allocate or register in the prefix cache; kept by KVCacheManager
+        self.kv_room = 0
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic())
         limit = max_model_len - self.num_prompt_tokens
         self.max_tokens = min(params.max_tokens or limit, limit)
+        self.length_limit = self.num_prompt_tokens + self.max_tokens  # len(token_ids) at the end
         self.stop_token_ids = frozenset(params.stop_token_ids or ()) | (
             frozenset() if params.ignore_eos else eos_token_ids)
         self.stop_reason: int | str | None = None

@@ -75,17 +75,22 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(len(req.token_ids) - req.num_computed_tokens, budget)
-            while (new_blocks := allocate(req, n)) is None:
-                victim = self.running.pop()
-                self._preempt(victim, out)
-                if victim is req:
+            computed = req.num_computed_tokens
+            n = min(len(req.token_ids) - computed, budget)
+            if computed + n <= req.kv_room:
+                block_ids = []  # the common decode step: room in its blocks (allocate's test)
+            else:
+                while (new_blocks := allocate(req, n)) is None:
+                    victim = self.running.pop()
+                    self._preempt(victim, out)
+                    if victim is req:
+                        break
+                if new_blocks is None:
                     break
-            if new_blocks is None:
-                break
+                block_ids = [b.block_id for b in new_blocks]
             cached_ids.append(req.request_id)
-            cached_blocks.append([b.block_id for b in new_blocks] if new_blocks else [])
-            cached_computed.append(req.num_computed_tokens)
+            cached_blocks.append(block_ids)
+            cached_computed.append(computed)
             scheduled[req.request_id] = n
             budget -= n
             i += 1

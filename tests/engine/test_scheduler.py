@@ -71,6 +71,8 @@ class Sim:
             assert req.status == RequestStatus.RUNNING
             needed = req.num_computed_tokens + out.num_scheduled_tokens.get(req_id, 0)
             assert len(blocks) >= -(-needed // self.block_size)
+            if self.kv.enable_caching:  # every full block of scheduled tokens is registered
+                assert self.kv.num_cached_blocks.get(req_id, 0) == needed // self.block_size
             for b in blocks:
                 held[b.block_id] = held.get(b.block_id, 0) + 1
         for b in pool.blocks:
