@@ -139,10 +139,11 @@ DATASET_FLAGS = ("dataset_name", "dataset_path", "input_len", "output_len", "ran
               help="--model-stub: running sequences to measure at.")
 @click.option("--context-len", type=int, default=1024, callback=_positive,
               help="--model-stub: context length of every sequence.")
-@click.option("--stub-steps", type=int, default=20, callback=_positive,
+@click.option("--stub-steps", type=int, default=64, callback=_positive,
               help="--model-stub: decode steps measured per size.")
 @click.option("--num-threads", type=int, default=None, callback=_positive,
-              help="torch intra-op threads for every system measured [default: torch's].")
+              help="torch intra-op threads for every system measured [default: torch's; "
+                   "1 with --model-stub, where CPU time is then the engine's own work].")
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where named shapes are built [default: $BATCHINFER_CACHE_DIR/bench or "
                    "~/.cache/batchinfer/bench].")
@@ -160,13 +161,20 @@ def bench(ctx: click.Context, **opts) -> None:
         if given:
             raise click.UsageError(f"--workload {opts['workload']} sets the dataset flags "
                                    f"itself; drop {', '.join(given)} (or --workload)")
+    if opts["num_threads"] is None and opts["model_stub"]:
+        # The engine's bookkeeping runs on one thread. With more, an OpenMP worker left
+        # spinning after the sampler's parallel argmax adds its waiting to the CPU time.
+        opts["num_threads"] = 1
+    import torch
+    threads = torch.get_num_threads()
     if opts["num_threads"] is not None:
-        import torch
         torch.set_num_threads(opts["num_threads"])
     try:
         summary = run_overhead(opts) if opts["model_stub"] else run_bench(opts)
     except (ValueError, FileNotFoundError) as e:
         raise click.UsageError(str(e)) from None
+    finally:  # a caller's process (or a test's) keeps its own setting
+        torch.set_num_threads(threads)
     click.echo(json.dumps(summary, indent=2))
     if opts["output_json"] is not None:
         opts["output_json"].parent.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,10 @@ class ZeroModel(torch.nn.Module):
         self.hidden_size = hidden_size
         self.vocab_size = vocab_size
         self._hidden = torch.zeros(0, hidden_size, dtype=param.dtype, device=param.device)
-        self._logits = torch.zeros(0, vocab_size, dtype=torch.float32, device=param.device)
+        # float32 logits, and the model's dtype where the model would leave them in it
+        self._logits = {dtype: torch.zeros(0, vocab_size, dtype=dtype, device=param.device)
+                        for dtype in {torch.float32, param.dtype}}
+        self._dtype = param.dtype
 
     def __getattr__(self, name: str):
         try:
@@ -52,7 +55,8 @@ class ZeroModel(torch.nn.Module):
         return self._rows(self._hidden, input_ids.shape[0])
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
-        return self._rows(self._logits, hidden.shape[0])
+        dtype = torch.float32 if float32 else self._dtype
+        return self._rows(self._logits[dtype], hidden.shape[0])
 
 
 @dataclass
@@ -61,16 +65,20 @@ class OverheadResult:
     context_len: int
     mean_context_len: float       # context at the end of the measurement (prefill + output)
     steps: int
-    cpu_ms_per_step: float        # median of time.process_time() per step
-    wall_ms_per_step: float       # median of time.perf_counter() per step
-    cpu_ms_per_step_mean: float
-    wall_ms_per_step_mean: float
+    # Means over the steps: with every context the same length, the steps that cross a
+    # block boundary (allocation, prefix-cache registration) come together, so a median
+    # would leave them out.
+    cpu_ms_per_step: float        # time.process_time() (every thread of the process)
+    wall_ms_per_step: float       # time.perf_counter()
+    cpu_ms_per_step_median: float
+    wall_ms_per_step_median: float
 
     def line(self) -> str:
         return (f"Engine overhead: {self.num_seqs} seqs x {self.context_len} context "
                 f"(mean {self.mean_context_len:.0f} at the end): "
                 f"{self.cpu_ms_per_step:.3f} ms CPU/step, {self.wall_ms_per_step:.3f} ms wall/step "
-                f"(median of {self.steps} decode steps)")
+                f"(mean of {self.steps} decode steps; medians {self.cpu_ms_per_step_median:.3f} "
+                f"/ {self.wall_ms_per_step_median:.3f})")
 
 
 def _fill(engine) -> None:
@@ -134,5 +142,5 @@ def measure_overhead(model_path: str, num_seqs: int, context_len: int, steps: in
         del engine
         gc.collect()
     return OverheadResult(num_seqs, context_len, context / num_seqs, steps,
-                          statistics.median(cpu) * 1e3, statistics.median(wall) * 1e3,
-                          statistics.fmean(cpu) * 1e3, statistics.fmean(wall) * 1e3)
+                          statistics.fmean(cpu) * 1e3, statistics.fmean(wall) * 1e3,
+                          statistics.median(cpu) * 1e3, statistics.median(wall) * 1e3)

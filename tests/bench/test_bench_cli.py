@@ -6,9 +6,11 @@ import json
 import re
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from batchinfer.bench.cli import bench
+from batchinfer.bench.overhead import ZeroModel
 
 THROUGHPUT = re.compile(r"^Throughput: ([\d.]+) requests/s, ([\d.]+) total tokens/s, "
                         r"([\d.]+) output tokens/s$", re.M)
@@ -117,16 +119,33 @@ def test_num_runs_reports_the_median_run_and_ratio(cache_dir):
 
 
 def test_model_stub_reports_ms_per_step(cache_dir):
+    threads = torch.get_num_threads()
     out, summary = run_bench(cache_dir, "--model-stub", "--num-seqs", "3,5",
                              "--context-len", "40", "--stub-steps", "4")
+    assert torch.get_num_threads() == threads  # the caller's setting is given back
     assert summary["mode"] == "model-stub"
+    assert summary["torch_threads"] == 1  # the default there: CPU time is the engine's work
     sizes = [r["num_seqs"] for r in summary["overhead"]]
     assert sizes == [3, 5]
     for r in summary["overhead"]:
         assert r["context_len"] == 40 and r["steps"] == 4
-        assert 0 < r["cpu_ms_per_step"] < 1000 and 0 < r["wall_ms_per_step"] < 1000
-    assert len(re.findall(r"^Engine overhead: \d+ seqs x 40 context \(mean \d+ at the end\): [\d.]+ ms CPU/step",
-                          out, re.M)) == 2
+        for key in ("cpu_ms_per_step", "wall_ms_per_step", "cpu_ms_per_step_median",
+                    "wall_ms_per_step_median"):
+            assert 0 < r[key] < 1000
+    line = (r"^Engine overhead: \d+ seqs x 40 context \(mean \d+ at the end\): [\d.]+ ms CPU/step, "
+            r"[\d.]+ ms wall/step \(mean of 4 decode steps; medians [\d.]+ / [\d.]+\)$")
+    assert len(re.findall(line, out, re.M)) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_model_stub_logits_take_the_dtype_the_model_would(dtype):
+    # the sampler's argmax reads logits in the model's dtype when it needs no float32
+    stub = ZeroModel(torch.nn.Linear(4, 4).to(dtype), hidden_size=8, vocab_size=32)
+    hidden = stub(torch.zeros(3, dtype=torch.long), None, None, None)
+    assert hidden.shape == (3, 8) and hidden.dtype == dtype
+    assert stub.compute_logits(hidden).dtype == torch.float32
+    narrow = stub.compute_logits(hidden, float32=False)
+    assert narrow.shape == (3, 32) and narrow.dtype == dtype and not narrow.any()
 
 
 def test_file_dataset(cache_dir, tmp_path):
