@@ -125,8 +125,15 @@ class LLMEngine:
                     arrival_time: float | None = None) -> None:
         """Queue a prompt. A bad prompt does not raise: it comes back from step() as an
         output with .error set and finish_reason "error"."""
-        if request_id in self.parents:
+        # n > 1 samples run as requests "ID#0", "ID#1", ...: none may share an id either
+        child_ids = ([request_id] if params.n == 1
+                     else [f"{request_id}#{i}" for i in range(params.n)])
+        taken = next((c for c in child_ids if c in self.requests), None)
+        if request_id in self.parents or taken == request_id:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if taken is not None:
+            raise ValueError(f"request id {request_id!r}: the id of its sample {taken!r} is "
+                             "already in use")
         arrival = arrival_time or time.monotonic()
         text = prompt if isinstance(prompt, str) else None
         token_ids: list[int] = []
@@ -149,8 +156,7 @@ class LLMEngine:
                     n=1, seed=None if params.seed is None else params.seed + i,
                     # the first sample scores the prompt; the others read the prefix cache
                     prompt_logprobs=params.prompt_logprobs if i == 0 else None)
-            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            child = Request(child_id, token_ids, child_params, self.eos_token_ids,
+            child = Request(child_ids[i], token_ids, child_params, self.eos_token_ids,
                             self.max_model_len, arrival, request_id, i)
             if child_params.stop:
                 child.detokenizer = IncrementalDetokenizer(

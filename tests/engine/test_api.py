@@ -227,6 +227,28 @@ def test_a_failed_step_leaves_the_llm_usable(llm, monkeypatch):
     assert pool.num_free_blocks == pool.num_blocks
 
 
+def test_request_ids_may_not_collide_with_samples(llm):
+    # n > 1 samples of "a" run as "a#0", "a#1": neither order may reuse one of those ids
+    engine = llm.llm_engine
+    two = SamplingParams(n=2, max_tokens=2, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", [1, 2, 3], two)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("a#1", [4, 5], GREEDY)
+    engine.add_request("b#0", [4, 5], GREEDY)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("b", [6, 7], two)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("a", [6, 7], GREEDY)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((out.request_id, out) for out in engine.step())
+    assert sorted(done) == ["a", "b#0"]
+    assert [len(c.token_ids) for c in done["a"].outputs] == [2, 2]
+    assert len(done["b#0"].outputs[0].token_ids) == 8
+    pool = engine.kv.pool
+    assert pool.num_free_blocks == pool.num_blocks
+
+
 def test_earliest_stop_string_wins():
     from batchinfer.engine.detokenizer import IncrementalDetokenizer
 
