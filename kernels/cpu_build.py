@@ -66,7 +66,9 @@ def torch_openmp_runtime() -> str | None:
     return (ours or found or [None])[0]
 
 
-def _cpu_identity() -> str:
+def cpu_identity() -> str:
+    """The CPU's model name and feature flags (/proc/cpuinfo's lines; the processor name
+    where that cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
             lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features"))]
@@ -155,7 +157,7 @@ def _build(source: Path) -> Path | None:
         headers = sorted(HERE.glob("*.h"))
         key = hashlib.sha256("\0".join(
             [source.read_text(), *(h.read_text() for h in headers), *compiler, version,
-             " ".join(_flags()), runtime, _cpu_identity()]).encode()).hexdigest()[:20]
+             " ".join(_flags()), runtime, cpu_identity()]).encode()).hexdigest()[:20]
         name = f"{source.stem}-{key}.so"
         target = cache_root() / "kernels" / name
         if not target.is_file():

@@ -36,7 +36,8 @@ class CpuSharedPrefixKernel:
         self._fns = cpu_build.entry_points(
             lib, {torch.float32: "shared_prefix_f32", torch.bfloat16: "shared_prefix_bf16"},
             [p, i64, p, p, i64, i64, i64, i64, i64, ctypes.c_float, p, p, p], ctypes.c_int)
-        if not lib.shared_prefix_bf16_available() or _has_amx():
+        # AMX's bfloat16 matrix units (Linux's amx_bf16 flag): flash is left to use them
+        if not lib.shared_prefix_bf16_available() or " amx_bf16" in cpu_build.cpu_identity():
             del self._fns[torch.bfloat16]
         self._scratch_words = lib.shared_prefix_scratch_words
         self._scratch_words.argtypes, self._scratch_words.restype = [i64, i64, i64, i64], i64
@@ -78,15 +79,6 @@ class CpuSharedPrefixKernel:
         if rc != 0:
             raise ValueError(f"cpu shared-prefix kernel rejected head_dim={head_dim}")
         return out, lse
-
-
-def _has_amx() -> bool:
-    """Whether this CPU has AMX's bfloat16 matrix units (Linux; False where unknown)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and " amx_bf16" in line for line in f)
-    except OSError:
-        return False
 
 
 def load() -> CpuSharedPrefixKernel | None:
