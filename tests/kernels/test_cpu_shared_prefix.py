@@ -100,3 +100,19 @@ def test_threads_calling_at_once_keep_their_own_scratch(kernel):
     for t in threads:
         t.join()
     assert not errors
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_nan_key_reaches_every_row(kernel, dtype):
+    """Every query row sees every shared key, so a NaN in one key's K shows in every row's
+    output and log-sum-exp, as it does in torch's kernels."""
+    if not kernel.supports(dtype, 4, 2, 32):
+        pytest.skip(f"this CPU has no {dtype} dot-product instructions")
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(20, 4, 32, generator=gen).to(dtype)
+    k = torch.randn(600, 2, 32, generator=gen).to(dtype)
+    v = torch.randn(600, 2, 32, generator=gen).to(dtype)
+    k[550, 1, 7] = float("nan")  # in the second 512-key block, KV head 1
+    out, lse = kernel(q, k, v, 0.2)
+    assert out[:, 1].isnan().all() and lse[:, 1].isnan().all()
+    assert not out[:, 0].isnan().any() and not lse[:, 0].isnan().any()

@@ -1,0 +1,267 @@
+/* Attention of a few query rows over a block of keys as two small matrix products with the
+ * softmax between them, written the way a GEMM micro-kernel is: the pieces that
+ * shared_prefix_cpu.c (a cascade's shared prefix) and prefill_attn_cpu.c (bfloat16 prompt
+ * chunks) build their loops from.
+ *
+ * Keys come laid out by the caller, per KV head: in float32 as K^T ([D][keys]) and V
+ * ([keys][D]); in bfloat16 as K's pairs of adjacent dimensions, key-major within a pair
+ * ([D/2][keys] 32-bit words), and V's pairs of adjacent keys ([keys/2][D] words, the first
+ * key in the low half). A block of DOT_ROWS query rows takes the scores of 64 keys at a time
+ * in DOT_ROWS x 4 accumulators, without horizontal sums: per dimension (float32), one
+ * broadcast query element times four vectors of 16 keys; per pair of dimensions
+ * (bfloat16), one broadcast query pair against four such vectors, each a `vdpbf16ps` (two
+ * products per lane, summed in float32). Scores are in base 2 (log2(e) folded into the
+ * scale), so the softmax takes 2^x; the weighted V rows are summed the same way, one
+ * broadcast weight (pair of weights) times up to four vectors of a V row (pair row).
+ * bfloat16 weights are rounded to bfloat16 first, as torch's flash kernel rounds them.
+ * Scores, sums and outputs accumulate in float32.
+ *
+ * bfloat16 needs the AVX512-BF16 instructions (AMD Zen 4 and later, Intel Cooper Lake and
+ * later): HAVE_BF16_DOT says whether this build has them; without them the bfloat16 pieces
+ * are never called. */
+#ifndef BATCHINFER_CPU_DOT_ATTN_H
+#define BATCHINFER_CPU_DOT_ATTN_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu_vec.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_BF16_DOT 1
+#else
+#define HAVE_BF16_DOT 0
+#endif
+
+#ifndef INLINE
+#define INLINE static inline __attribute__((always_inline))
+#endif
+
+#define DOT_ROWS 6          /* query rows per micro-block: 6 x 4 accumulators in registers */
+#define DOT_KEY_BLOCK 512   /* keys per softmax block: a block's scores (6 x 2 KB) in L1 */
+#define DOT_MAX_HEAD_DIM 256
+
+/* 16 words (pairs of bfloat16) from p */
+INLINE i32x16 load_pairs(const uint32_t *p) { i32x16 v; memcpy(&v, p, sizeof v); return v; }
+
+/* acc += each lane's pair of bfloat16 in `pairs` times the pair `pair`, summed */
+INLINE f32x16 dot2(f32x16 acc, i32x16 pairs, uint32_t pair) {
+#if HAVE_BF16_DOT
+    return (f32x16)_mm512_dpbf16_ps((__m512)acc, (__m512bh)pairs,
+                                    (__m512bh)_mm512_set1_epi32((int)pair));
+#else
+    (void)pairs, (void)pair;
+    return acc;  /* never called: the bfloat16 entry point refuses to run */
+#endif
+}
+
+/* e rounded to bfloat16 (nearest even) at p */
+INLINE void store_weights_bf16(uint16_t *p, f32x16 e) {
+#if HAVE_BF16_DOT
+    const __m256bh h = _mm512_cvtneps_pbh((__m512)e);  /* one instruction */
+    memcpy(p, &h, sizeof h);
+#else
+    store_bf16(p, e);
+#endif
+}
+
+/* s[r][0..64) = scale * q_r . k_p for keys p0 .. p0 + 64 of the block's DOT_ROWS rows, in
+ * log2 units (scale includes log2(e)); row r's keys from valid[r] on are -inf (valid[r] >= 64:
+ * none). q holds each row's query (float32: DOT_MAX_HEAD_DIM floats a row; bfloat16:
+ * DOT_MAX_HEAD_DIM / 2 words of pairs of dimensions), kp points at key p0 of K's layout.
+ * mx[r] takes row r's running maximum. */
+INLINE void scores64(const float *qf, const uint32_t *qw, const uint32_t *kp,
+                     int64_t keys_pad, int64_t head_dim, float scale, const int64_t *valid, float *s,
+                     f32x16 *mx, const int bf16) {
+    f32x16 acc[DOT_ROWS][4];
+    for (int r = 0; r < DOT_ROWS; r++)
+        for (int c = 0; c < 4; c++) acc[r][c] = (f32x16){0};
+    if (bf16) {
+        for (int64_t e = 0; e < head_dim / 2; e++) {
+            const uint32_t *k = kp + e * keys_pad;
+            const i32x16 k0 = load_pairs(k), k1 = load_pairs(k + 16), k2 = load_pairs(k + 32),
+                         k3 = load_pairs(k + 48);
+            for (int r = 0; r < DOT_ROWS; r++) {
+                const uint32_t x = qw[r * (DOT_MAX_HEAD_DIM / 2) + e];
+                acc[r][0] = dot2(acc[r][0], k0, x);
+                acc[r][1] = dot2(acc[r][1], k1, x);
+                acc[r][2] = dot2(acc[r][2], k2, x);
+                acc[r][3] = dot2(acc[r][3], k3, x);
+            }
+        }
+    } else {
+        const float *kt = (const float *)kp;
+        for (int64_t d = 0; d < head_dim; d++) {
+            const float *k = kt + d * keys_pad;
+            const f32x16 k0 = load_f32(k), k1 = load_f32(k + 16), k2 = load_f32(k + 32),
+                         k3 = load_f32(k + 48);
+            for (int r = 0; r < DOT_ROWS; r++) {
+                const float x = qf[r * DOT_MAX_HEAD_DIM + d];
+                acc[r][0] += x * k0;
+                acc[r][1] += x * k1;
+                acc[r][2] += x * k2;
+                acc[r][3] += x * k3;
+            }
+        }
+    }
+    const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    for (int c = 0; c < 4; c++) {
+        for (int r = 0; r < DOT_ROWS; r++) {
+            f32x16 x = acc[r][c] * scale;
+            if (valid[r] < 64) {
+                const i32x16 ok = lane < (int32_t)(valid[r] - 16 * c);
+                x = (f32x16)(((i32x16)x & ok) | ((i32x16)((f32x16){0} - INFINITY) & ~ok));
+            }
+            mx[r] = vmax(mx[r], x);
+            store_f32(s + r * DOT_KEY_BLOCK + 16 * c, x);
+        }
+    }
+}
+
+/* 2^x for x <= 0 (Cephes' exp2f polynomial on [-0.5, 0.5]); x below -125, -inf included,
+ * counts as -125, so the exponent stays in range: 2^-125 is nothing next to the weight 1
+ * of a row's largest score. A NaN stays NaN, so a NaN key reaches the rows that see it, as
+ * in torch's kernels. */
+INLINE f32x16 exp2_nonpositive(f32x16 x) {
+    const i32x16 nan = (i32x16)(x != x);
+    const f32x16 xc = vmax(x, (f32x16){0} - 125.0f);  /* -125 for a NaN, restored below */
+    const float magic = 12582912.0f;  /* 1.5 * 2^23: adding it rounds to an integer */
+    const f32x16 t = xc + magic, n = t - magic, f = xc - n;
+    f32x16 p = (f32x16){0} + 1.535336188319500e-4f;
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    const i32x16 ni = (i32x16)t - (i32x16)((f32x16){0} + magic);
+    return (f32x16)((((i32x16)p + (ni << 23)) & ~nan) | ((i32x16)x & nan));
+}
+
+/* o[r][0 .. 16 NV) += sum over keys p < n (n even) of row r's weight p times V's row p,
+ * for DOT_ROWS rows; vp points at V's first row (pair row, for bfloat16) at the column o starts
+ * at. Weights: float32 (wf) or bfloat16 (wb), DOT_KEY_BLOCK a row. */
+INLINE void weighted_sum(const float *wf, const uint16_t *wb, const uint32_t *vp, int64_t n,
+                         int64_t head_dim, float *o, const int NV, const int bf16) {
+    f32x16 acc[DOT_ROWS][4];
+    for (int r = 0; r < DOT_ROWS; r++)
+        for (int c = 0; c < NV; c++) acc[r][c] = load_f32(o + r * DOT_MAX_HEAD_DIM + 16 * c);
+    if (bf16) {
+        for (int64_t f = 0; f < n / 2; f++) {
+            i32x16 vv[4];
+            for (int c = 0; c < NV; c++) vv[c] = load_pairs(vp + f * head_dim + 16 * c);
+            for (int r = 0; r < DOT_ROWS; r++) {
+                uint32_t x;
+                memcpy(&x, wb + r * DOT_KEY_BLOCK + 2 * f, sizeof x);
+                for (int c = 0; c < NV; c++) acc[r][c] = dot2(acc[r][c], vv[c], x);
+            }
+        }
+    } else {
+        for (int64_t p = 0; p < n; p++) {
+            const float *v = (const float *)vp + p * head_dim;
+            f32x16 vv[4];
+            for (int c = 0; c < NV; c++) vv[c] = load_f32(v + 16 * c);
+            for (int r = 0; r < DOT_ROWS; r++) {
+                const float x = wf[r * DOT_KEY_BLOCK + p];
+                for (int c = 0; c < NV; c++) acc[r][c] += x * vv[c];
+            }
+        }
+    }
+    for (int r = 0; r < DOT_ROWS; r++)
+        for (int c = 0; c < NV; c++) store_f32(o + r * DOT_MAX_HEAD_DIM + 16 * c, acc[r][c]);
+}
+
+/* The state of DOT_ROWS query rows between key blocks: their queries (float32 rows, or
+ * bfloat16 rows as words of pairs of dimensions), running maximum m (base 2) and sum l, and
+ * unnormalised output o; and one block's scores and weights. */
+typedef struct {
+    float qf[DOT_ROWS * DOT_MAX_HEAD_DIM];
+    uint32_t qw[DOT_ROWS * (DOT_MAX_HEAD_DIM / 2)];
+    float o[DOT_ROWS * DOT_MAX_HEAD_DIM];
+    float s[DOT_ROWS * DOT_KEY_BLOCK], wf[DOT_ROWS * DOT_KEY_BLOCK];
+    uint16_t wb[DOT_ROWS * DOT_KEY_BLOCK];
+    float m[DOT_ROWS], l[DOT_ROWS];
+} dot_rows;
+
+/* Row r's query: head_dim elements at q (float32 or bfloat16), or zeros for q NULL (a
+ * padding row, whose results are not stored). */
+INLINE void dot_load_query(dot_rows *st, int r, const void *q, int64_t head_dim, int bf16) {
+    void *dst = bf16 ? (void *)(st->qw + r * (DOT_MAX_HEAD_DIM / 2))
+                     : (void *)(st->qf + r * DOT_MAX_HEAD_DIM);
+    if (q) memcpy(dst, q, (bf16 ? 2 : 4) * head_dim);
+    else memset(dst, 0, (bf16 ? 2 : 4) * head_dim);
+}
+
+/* Row r starts from nothing (lse -inf) or from a partial result over other keys: its
+ * normalised output init (head_dim elements) at natural log-sum-exp lse. */
+INLINE void dot_start_row(dot_rows *st, int r, float lse, const void *init, int64_t head_dim,
+                          int bf16) {
+    st->m[r] = lse == -INFINITY ? -INFINITY : lse * (float)M_LOG2E;
+    st->l[r] = lse == -INFINITY ? 0.f : 1.f;
+    for (int64_t c = 0; c < head_dim; c += 16)
+        store_f32(st->o + r * DOT_MAX_HEAD_DIM + c,
+                  lse == -INFINITY ? (f32x16){0} : load16(init, c, bf16));
+}
+
+/* Every row over n <= DOT_KEY_BLOCK keys: kp points at the first one's column of K's layout
+ * (keys_pad words or floats a row), vp at its row of V's (pair row, for bfloat16), and the
+ * layouts hold at least n rounded up to 64 keys. Row r sees keys [0, valid[r]) of them
+ * (valid[r] <= n; every row sees at least one key of the first block it meets); keys it
+ * does not see weigh 2^-125 at most, so callers keep V rows of zeros past n (rounded up
+ * to 16) and no inf or NaN in values a row cannot see. scale: the scores' scale times
+ * log2(e). */
+INLINE void dot_block(dot_rows *st, const uint32_t *kp, const uint32_t *vp, int64_t keys_pad,
+                      int64_t head_dim, float scale, int64_t n, const int64_t *valid,
+                      const int bf16) {
+    const int64_t nc = head_dim / 16, n16 = (n + 15) / 16 * 16;
+    f32x16 mx[DOT_ROWS];
+    for (int r = 0; r < DOT_ROWS; r++) mx[r] = (f32x16){0} - INFINITY;
+    for (int64_t p = 0; p < n; p += 64) {
+        int64_t v[DOT_ROWS];
+        for (int r = 0; r < DOT_ROWS; r++) v[r] = valid[r] - p;
+        scores64(st->qf, st->qw, kp + p, keys_pad, head_dim, scale, v, st->s + p, mx, bf16);
+    }
+    for (int r = 0; r < DOT_ROWS; r++) {  /* softmax over the block, online across blocks */
+        const float *sr = st->s + r * DOT_KEY_BLOCK;
+        float block_max = mx[r][0];
+        for (int k = 1; k < 16; k++) block_max = mx[r][k] > block_max ? mx[r][k] : block_max;
+        const float m_new = st->m[r] > block_max ? st->m[r] : block_max;
+        const float corr = exp2f(st->m[r] - m_new);  /* 0 for the first block */
+        f32x16 sum = (f32x16){0};
+        for (int64_t p = 0; p < n16; p += 16) {
+            const f32x16 e = exp2_nonpositive(load_f32(sr + p) - m_new);
+            if (bf16) store_weights_bf16(st->wb + r * DOT_KEY_BLOCK + p, e);
+            else store_f32(st->wf + r * DOT_KEY_BLOCK + p, e);
+            sum += e;
+        }
+        st->l[r] = st->l[r] * corr + hsum(sum);
+        st->m[r] = m_new;
+        if (corr != 1.f)
+            for (int64_t c = 0; c < nc; c++)
+                store_f32(st->o + r * DOT_MAX_HEAD_DIM + 16 * c,
+                          load_f32(st->o + r * DOT_MAX_HEAD_DIM + 16 * c) * corr);
+    }
+    for (int64_t c = 0; c < nc; c += 4) {
+        const uint32_t *vc = vp + 16 * c;
+        float *oc = st->o + 16 * c;
+        switch (nc - c < 4 ? nc - c : 4) {
+        case 1: weighted_sum(st->wf, st->wb, vc, n16, head_dim, oc, 1, bf16); break;
+        case 2: weighted_sum(st->wf, st->wb, vc, n16, head_dim, oc, 2, bf16); break;
+        case 3: weighted_sum(st->wf, st->wb, vc, n16, head_dim, oc, 3, bf16); break;
+        default: weighted_sum(st->wf, st->wb, vc, n16, head_dim, oc, 4, bf16);
+        }
+    }
+}
+
+/* Row r's result: its output, normalised, at out (head_dim elements); returns its natural
+ * log-sum-exp. */
+INLINE float dot_finish_row(const dot_rows *st, int r, void *out, int64_t head_dim, int bf16) {
+    const float inv = 1.f / st->l[r];  /* l >= 1: the largest score's weight is 1 */
+    for (int64_t c = 0; c < head_dim; c += 16)
+        store16(out, c, load_f32(st->o + r * DOT_MAX_HEAD_DIM + c) * inv, bf16);
+    return (st->m[r] + log2f(st->l[r])) * (float)M_LN2;
+}
+
+#endif
