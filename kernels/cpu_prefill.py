@@ -19,6 +19,9 @@ from . import cpu_build
 SOURCE = Path(__file__).with_name("prefill_attn_cpu.c")
 MAX_GROUP = 16          # query heads per KV head (prefill_attn_cpu.c: MAX_GROUP)
 MAX_HEAD_DIM = 256
+# bfloat16 chunks with (keys x head_dim) from this on take the AVX512-BF16 micro-kernel
+# where the CPU has it (prefill_attn_cpu.c: DOT_MIN_KEY_ELEMENTS)
+DOT_MIN_KEY_ELEMENTS = 16384
 
 
 class CpuPrefillKernel:
@@ -27,8 +30,11 @@ class CpuPrefillKernel:
     def __init__(self, path: Path):
         self.path = path
         p, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib = ctypes.CDLL(str(path))
+        # whether long bfloat16 chunks run on AVX512-BF16's dot products (see the C source)
+        self.bf16_dot = bool(lib.prefill_bf16_dot_available())
         self._fns = cpu_build.entry_points(
-            ctypes.CDLL(str(path)),
+            lib,
             {torch.float32: "prefill_attn_f32", torch.bfloat16: "prefill_attn_bf16"},
             [p, i64, p, p, p, i64, i64, p, i64, i64, i64, i64, ctypes.c_float,
              p, p, p, p, i64, i64, i64, i64, i64, i64], ctypes.c_int)

@@ -90,11 +90,24 @@ def test_matches_reference(kernel, paged_batch, dtype, tol, num_kv_heads, group,
         torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-4)
 
 
+def takes_dot_path(kernel, dtype, chunks, head_dim):
+    """Which chunks run on the AVX512-BF16 micro-kernel (none where the CPU lacks it)."""
+    keys = (chunks[:, 4] - chunks[:, 3]) * head_dim
+    return (keys >= cpu_prefill.DOT_MIN_KEY_ELEMENTS) & (
+        dtype == torch.bfloat16 and kernel.bf16_dot and head_dim % 32 == 0)
+
+
+# short chunks, and long ones (past one 512-key block of the bfloat16 micro-kernel)
+MERGE_CASES = [([40, 130, 9], [30, 100, 9], [8, 30, 0]),
+               ([700, 300, 9], [650, 290, 9], [40, 8, 0])]
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
-def test_merges_a_strided_partial_result(kernel, paged_batch, dtype, tol):
+@pytest.mark.parametrize("seq_lens, query_lens, lo", MERGE_CASES)
+def test_merges_a_strided_partial_result(kernel, paged_batch, dtype, tol, seq_lens,
+                                         query_lens, lo):
     """init = (out, lse) over other keys, laid out as the cascade's shared part is (KV head
     major, strided); the result is attention over both. An init lse of -inf adds nothing."""
-    seq_lens, query_lens = [40, 130, 9], [30, 100, 9]
     batch = paged_batch(seq_lens, query_lens, block_size=16, num_kv_heads=3, group=3,
                         head_dim=64, dtype=dtype, device=CPU)
     num_tokens = sum(query_lens)
@@ -103,7 +116,7 @@ def test_merges_a_strided_partial_result(kernel, paged_batch, dtype, tol):
     init_lse = torch.randn(3, num_tokens, 3, generator=gen).permute(1, 0, 2)
     init_lse.masked_fill_(torch.arange(num_tokens)[:, None, None] % 4 == 0, float("-inf"))
     assert not init_out.is_contiguous() and not init_lse.is_contiguous()
-    chunks = chunks_of(batch, [8, 30, 0])
+    chunks = chunks_of(batch, lo)
     out, lse = run(kernel, batch, chunks, init=(init_out, init_lse))
     ref_out, ref_lse = reference(batch.query, batch.k_cache, batch.v_cache,
                                  batch.meta.block_tables, chunks, 0.3, (init_out, init_lse))
@@ -154,14 +167,38 @@ def test_strided_query_rows(kernel, paged_batch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_nan_key_in_range_shows_in_the_output(kernel, paged_batch, dtype):
-    batch = paged_batch([40], [40], block_size=16, num_kv_heads=1, group=2, head_dim=32,
-                        dtype=dtype, device=CPU)
-    block = int(batch.meta.block_tables[0, 1])
-    batch.k_cache[block, 3, 0, 5] = float("nan")  # position 19
-    out, _ = run(kernel, batch, chunks_of(batch, [0]))
-    # tokens before position 19 do not see it; every later one does
-    assert not out[:19].isnan().any() and out[19:].isnan().all()
+@pytest.mark.parametrize("length, position", [(40, 19), (900, 19), (900, 700)])
+def test_a_nan_key_in_range_shows_in_the_output(kernel, paged_batch, dtype, length, position):
+    batch = paged_batch([length], [length], block_size=16, num_kv_heads=1, group=2,
+                        head_dim=32, dtype=dtype, device=CPU)
+    block = int(batch.meta.block_tables[0, position // 16])
+    batch.k_cache[block, position % 16, 0, 5] = float("nan")
+    out, lse = run(kernel, batch, chunks_of(batch, [0]))
+    # tokens before the position do not see it; every later one does
+    assert not out[:position].isnan().any() and out[position:].isnan().all()
+    assert not lse[:position].isnan().any() and lse[position:].isnan().all()
+
+
+def test_long_bfloat16_chunks_take_the_dot_product_kernel(kernel, paged_batch):
+    """Where the CPU has AVX512-BF16, bfloat16 chunks with enough keys run on its paired dot
+    products (the cases above cover both forms); a chunk's result is the same whichever
+    form its neighbours take, and both match the reference."""
+    if not kernel.bf16_dot:
+        pytest.skip("this CPU has no AVX512-BF16")
+    batch = paged_batch([900, 60, 520], [900, 60, 200], block_size=16, num_kv_heads=2,
+                        group=4, head_dim=128, dtype=torch.bfloat16, device=CPU)
+    chunks = chunks_of(batch, [0, 0, 0])
+    assert takes_dot_path(kernel, torch.bfloat16, chunks, 128).tolist() == [True, False, True]
+    out, lse = run(kernel, batch, chunks)
+    ref_out, ref_lse = reference(batch.query, batch.k_cache, batch.v_cache,
+                                 batch.meta.block_tables, chunks, 0.3)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-4)
+    for i in range(3):  # each chunk alone
+        alone = chunks[i:i + 1]
+        q0, q1 = int(alone[0, 1]), int(alone[0, 2])
+        out_i, lse_i = run(kernel, batch, alone)
+        assert torch.equal(out_i[q0:q1], out[q0:q1]) and torch.equal(lse_i[q0:q1], lse[q0:q1])
 
 
 def test_rejects_arguments_out_of_contract(kernel, paged_batch):
