@@ -5,7 +5,8 @@ torch's flash kernel runs each prompt chunk as its own small problem, where its 
 set-up outweighs the arithmetic (about 2 ns per query-key pair at 100-token chunks, against
 0.35 ns on one long sequence); this kernel runs every chunk of a step in one call, reading
 keys in place from the paged cache, and can start from a cascade's shared-prefix result.
-When it cannot be built (see cpu_build.py), load() returns None and the torch path runs.
+Long bfloat16 chunks run on the CPU's bfloat16 dot products where it has them (see
+DOT_MIN_KEY_ELEMENTS). When it cannot be built (see cpu_build.py), load() returns None and the torch path runs.
 """
 from __future__ import annotations
 
