@@ -73,8 +73,8 @@ INLINE void store_weights_bf16(uint16_t *p, f32x16 e) {
  * DOT_MAX_HEAD_DIM / 2 words of pairs of dimensions), kp points at key p0 of K's layout.
  * mx[r] takes row r's running maximum. */
 INLINE void scores64(const float *qf, const uint32_t *qw, const uint32_t *kp,
-                     int64_t keys_pad, int64_t head_dim, float scale, const int64_t *valid, float *s,
-                     f32x16 *mx, const int bf16) {
+                     int64_t keys_pad, int64_t head_dim, float scale, const int64_t *valid,
+                     float *s, f32x16 *mx, const int bf16) {
     f32x16 acc[DOT_ROWS][4];
     for (int r = 0; r < DOT_ROWS; r++)
         for (int c = 0; c < 4; c++) acc[r][c] = (f32x16){0};

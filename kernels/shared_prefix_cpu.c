@@ -44,7 +44,7 @@ typedef struct {
  * head h * group + i % group. */
 INLINE void row_block(const shared_args *d, int64_t h, int64_t r0, int64_t rows,
                       const int bf16) {
-    const int64_t D = d->head_dim, nc = D / 16, group = d->group;
+    const int64_t D = d->head_dim, group = d->group;
     const int64_t k_words = (bf16 ? D / 2 : D) * d->keys_pad;
     const uint32_t *kp = d->keys + h * (bf16 ? 1 : 2) * D * d->keys_pad, *vp = kp + k_words;
     dot_rows st;
