@@ -208,14 +208,15 @@ INLINE void dot_start_row(dot_rows *st, int r, float lse, const void *init, int6
 /* Every row over n <= DOT_KEY_BLOCK keys: kp points at the first one's column of K's layout
  * (keys_pad words or floats a row), vp at its row of V's (pair row, for bfloat16), and the
  * layouts hold at least n rounded up to 64 keys. Row r sees keys [0, valid[r]) of them
- * (valid[r] <= n; every row sees at least one key of the first block it meets); keys it
- * does not see weigh 2^-125 at most, so callers keep V rows of zeros past n (rounded up
- * to 16) and no inf or NaN in values a row cannot see. scale: the scores' scale times
- * log2(e). */
+ * (valid[r] <= n; every row sees at least one key of the first block it meets). The
+ * weighted sum reads V up to n rounded up to even, and a key a row does not see enters it
+ * at weight 2^-125: a finite value there does not show, an inf or NaN one reaches the row
+ * (as within the float32 prefill kernel's passes, and torch's flash blocks). scale: the
+ * scores' scale times log2(e). */
 INLINE void dot_block(dot_rows *st, const uint32_t *kp, const uint32_t *vp, int64_t keys_pad,
                       int64_t head_dim, float scale, int64_t n, const int64_t *valid,
                       const int bf16) {
-    const int64_t nc = head_dim / 16, n16 = (n + 15) / 16 * 16;
+    const int64_t nc = head_dim / 16, n16 = (n + 15) / 16 * 16, n2 = (n + 1) / 2 * 2;
     f32x16 mx[DOT_ROWS];
     for (int r = 0; r < DOT_ROWS; r++) mx[r] = (f32x16){0} - INFINITY;
     for (int64_t p = 0; p < n; p += 64) {
@@ -247,10 +248,10 @@ INLINE void dot_block(dot_rows *st, const uint32_t *kp, const uint32_t *vp, int6
         const uint32_t *vc = vp + 16 * c;
         float *oc = st->o + 16 * c;
         switch (nc - c < 4 ? nc - c : 4) {
-        case 1: weighted_sum(st->wf, st->wb, vc, n16, head_dim, oc, 1, bf16); break;
-        case 2: weighted_sum(st->wf, st->wb, vc, n16, head_dim, oc, 2, bf16); break;
-        case 3: weighted_sum(st->wf, st->wb, vc, n16, head_dim, oc, 3, bf16); break;
-        default: weighted_sum(st->wf, st->wb, vc, n16, head_dim, oc, 4, bf16);
+        case 1: weighted_sum(st->wf, st->wb, vc, n2, head_dim, oc, 1, bf16); break;
+        case 2: weighted_sum(st->wf, st->wb, vc, n2, head_dim, oc, 2, bf16); break;
+        case 3: weighted_sum(st->wf, st->wb, vc, n2, head_dim, oc, 3, bf16); break;
+        default: weighted_sum(st->wf, st->wb, vc, n2, head_dim, oc, 4, bf16);
         }
     }
 }

@@ -59,7 +59,7 @@ INLINE void row_block(const shared_args *d, int64_t h, int64_t r0, int64_t rows,
         const int64_t n = d->num_keys - p0 < DOT_KEY_BLOCK ? d->num_keys - p0 : DOT_KEY_BLOCK;
         int64_t valid[DOT_ROWS];
         for (int r = 0; r < DOT_ROWS; r++) valid[r] = n;
-        /* keys past n (scores -inf) weigh 2^-125 against V rows of zeros (see prepare) */
+        /* an odd n's pair ends in a V row of zeros (see prepare) */
         dot_block(&st, kp + p0, vp + (bf16 ? p0 / 2 : p0) * D, d->keys_pad, D,
                   d->scale * (float)M_LOG2E, n, valid, bf16);
     }
