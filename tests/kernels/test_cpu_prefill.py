@@ -179,6 +179,21 @@ def test_a_nan_key_in_range_shows_in_the_output(kernel, paged_batch, dtype, leng
     assert not lse[:position].isnan().any() and lse[position:].isnan().all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_nan_value_reaches_only_the_rows_computed_with_it(kernel, paged_batch, dtype):
+    """A NaN in V at position p reaches every token from p on, and of the earlier ones at
+    most those computed in one pass with a token that sees it (16 query rows in float32, 6
+    in the bfloat16 micro-kernel, here 2 rows a token): none further back."""
+    batch = paged_batch([900], [900], block_size=16, num_kv_heads=1, group=2, head_dim=32,
+                        dtype=dtype, device=CPU)
+    position = 700
+    block = int(batch.meta.block_tables[0, position // 16])
+    batch.v_cache[block, position % 16, 0, 5] = float("nan")
+    out, _ = run(kernel, batch, chunks_of(batch, [0]))
+    assert out[position:].isnan().any(dim=(1, 2)).all()
+    assert not out[:position - 8].isnan().any()
+
+
 def test_long_bfloat16_chunks_take_the_dot_product_kernel(kernel, paged_batch):
     """Where the CPU has AVX512-BF16, bfloat16 chunks with enough keys run on its paired dot
     products (the cases above cover both forms); a chunk's result is the same whichever
