@@ -67,11 +67,12 @@ def torch_openmp_runtime() -> str | None:
 
 
 def cpu_identity() -> str:
-    """The CPU's model name and feature flags (/proc/cpuinfo's lines; the processor name
-    where that cannot be read)."""
+    """The CPU's vendor, model name and feature flags (/proc/cpuinfo's lines; the processor
+    name where that cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features"))]
+            lines = [ln for ln in f
+                     if ln.startswith(("vendor_id", "model name", "flags", "Features"))]
         return "".join(sorted(set(lines)))
     except OSError:
         return platform.processor()

@@ -24,10 +24,12 @@
  * value to its whole block of rows).
  *
  * float32 throughout, for float32 and bfloat16 caches alike; except that bfloat16 chunks
- * with long enough contexts, on CPUs with AVX512-BF16, run as small matrix products on its
- * paired dot product instead (prefill_item_dot, on cpu_dot_attn.h's micro-kernel; from
- * about a thousand keys on 1.5-1.7x faster at head_dim 64 and 128, 1.2-1.3x at 32). AMX
- * tiles for the two products of the float32 form gained about 1% end to end.
+ * with long enough contexts, on AMD CPUs with AVX512-BF16 (Zen 4 and later, where its
+ * paired dot product runs twice the multiply-adds of float32 FMAs), run as small matrix
+ * products on it instead (prefill_item_dot, on cpu_dot_attn.h's micro-kernel; from about a
+ * thousand keys on 1.5-1.7x faster at head_dim 64 and 128, 1.2-1.3x at 32). On an Intel
+ * Xeon with AMX the dot product was no faster than float32 FMAs (it issues at half their
+ * rate), and AMX tiles for the two products gained about 1% end to end.
  *
  * init_out/init_lse (optional): a partial result of the same query rows over other keys
  * (a cascade's shared prefix), merged in by starting each row's softmax from it. */
@@ -426,16 +428,17 @@ int prefill_bf16_dot_available(void) { return HAVE_BF16_DOT; }
  * q [tokens, heads, head_dim] with rows q_token_stride elements apart; out contiguous in the
  * same shape; lse (optional) [tokens, heads] float32. init_out [tokens, num_kv_heads, group,
  * head_dim] and init_lse [tokens, num_kv_heads, group], both or neither, with strides
- * (token, KV head, group row) os0..os2 and ls0..ls2 (head_dim contiguous). Returns nonzero,
- * touching nothing, for a shape it does not handle; 2 when out of memory (out then holds
- * the rows of the items that ran). */
+ * (token, KV head, group row) os0..os2 and ls0..ls2 (head_dim contiguous). bf16_dot: long
+ * bfloat16 chunks may take prefill_item_dot (where this build has the instructions).
+ * Returns nonzero, touching nothing, for a shape it does not handle; 2 when out of memory
+ * (out then holds the rows of the items that ran). */
 #define ENTRY(NAME, T, BF16)                                                                  \
 int NAME(const T *q, int64_t q_token_stride, const T *k_cache, const T *v_cache,               \
          const int32_t *block_tables, int64_t bt_stride, int64_t block_size,                   \
          const int32_t *chunks, int64_t num_chunks, int64_t num_kv_heads, int64_t group,       \
          int64_t head_dim, float scale, T *out, float *lse, const T *init_out,                \
          const float *init_lse, int64_t os0, int64_t os1, int64_t os2, int64_t ls0,            \
-         int64_t ls1, int64_t ls2) {                                                           \
+         int64_t ls1, int64_t ls2, int64_t bf16_dot) {                                         \
     const int64_t init_strides[6] = {os0, os1, os2, ls0, ls1, ls2};                           \
     if (group < 1 || group > MAX_GROUP || head_dim < 16 || head_dim % 16                     \
         || head_dim > MAX_HEAD_DIM                                                            \
@@ -461,7 +464,7 @@ int NAME(const T *q, int64_t q_token_stride, const T *k_cache, const T *v_cache,
         const int64_t n = ch[2] - ch[1], t0 = item_t0[i];                                      \
         const int64_t t1 = t0 + per_item < n ? t0 + per_item : n;                              \
         const int32_t *table = block_tables + ch[0] * bt_stride;                              \
-        if (BF16 && HAVE_BF16_DOT && head_dim % 32 == 0                                        \
+        if (BF16 && HAVE_BF16_DOT && bf16_dot && head_dim % 32 == 0                            \
                 && (ch[4] - ch[3]) * head_dim >= DOT_MIN_KEY_ELEMENTS                          \
             ? prefill_item_dot((const uint16_t *)q, q_token_stride,                            \
                                (const uint16_t *)k_cache, (const uint16_t *)v_cache, table,    \

@@ -214,6 +214,16 @@ def test_long_bfloat16_chunks_take_the_dot_product_kernel(kernel, paged_batch):
         q0, q1 = int(alone[0, 1]), int(alone[0, 2])
         out_i, lse_i = run(kernel, batch, alone)
         assert torch.equal(out_i[q0:q1], out[q0:q1]) and torch.equal(lse_i[q0:q1], lse[q0:q1])
+    # with the dot products switched off (as on CPUs where they are no faster), every chunk
+    # runs the float32 form: a different rounding, the same attention
+    plain = cpu_prefill.CpuPrefillKernel(kernel.path)
+    plain.bf16_dot = False
+    out_f, lse_f = run(plain, batch, chunks)
+    torch.testing.assert_close(out_f.double(), ref_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse_f.double(), ref_lse, atol=1e-4, rtol=1e-4)
+    q1 = int(chunks[0, 2])
+    assert not torch.equal(out_f[:q1], out[:q1])
+    assert torch.equal(out_f[q1:int(chunks[1, 2])], out[q1:int(chunks[1, 2])])
 
 
 def test_rejects_arguments_out_of_contract(kernel, paged_batch):
