@@ -6,7 +6,8 @@ set-up outweighs the arithmetic (about 2 ns per query-key pair at 100-token chun
 0.35 ns on one long sequence); this kernel runs every chunk of a step in one call, reading
 keys in place from the paged cache, and can start from a cascade's shared-prefix result.
 Long bfloat16 chunks run on the CPU's bfloat16 dot products on AMD CPUs that have them
-(see DOT_MIN_KEY_ELEMENTS). When it cannot be built (see cpu_build.py), load() returns None and the torch path runs.
+(see DOT_MIN_KEY_ELEMENTS). When it cannot be built (see cpu_build.py), load() returns
+None and the torch path runs.
 """
 from __future__ import annotations
 
