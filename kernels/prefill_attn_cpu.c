@@ -333,6 +333,21 @@ INLINE void lay_out_block(const uint16_t *k_cache, const uint16_t *v_cache,
 #undef ROW
 }
 
+/* Row i of a work item's state (output o, D floats a row; running max m and sum l) into
+ * row r of the micro-kernel's, and back. */
+INLINE void row_in(dot_rows *st, int r, const float *o, const float *m, const float *l,
+                   int64_t i, int64_t D) {
+    memcpy(st->o + r * DOT_MAX_HEAD_DIM, o + i * D, 4 * D);
+    st->m[r] = m[i];
+    st->l[r] = l[i];
+}
+INLINE void row_out(const dot_rows *st, int r, float *o, float *m, float *l, int64_t i,
+                    int64_t D) {
+    memcpy(o + i * D, st->o + r * DOT_MAX_HEAD_DIM, 4 * D);
+    m[i] = st->m[r];
+    l[i] = st->l[r];
+}
+
 /* A chunk takes prefill_item_dot from this many keys times head_dim on: below it the
  * micro-kernel's fixed costs (laying out keys, 64-key score blocks on the causal diagonal,
  * moving each row's state in and out per key block) outweigh its faster products. Measured
@@ -376,9 +391,7 @@ INLINE int prefill_item_dot(
                                         : -INFINITY,
                       init_out ? init_out + token * os[0] + h * os[1] + g * os[2] : NULL,
                       D, 1);
-        memcpy(o + r * D, st.o + rr * DOT_MAX_HEAD_DIM, 4 * D);
-        m[r] = st.m[rr];
-        l[r] = st.l[rr];
+        row_out(&st, rr, o, m, l, r, D);
     }
     const int64_t key_stride = num_kv_heads * D, end = last[padded - 1];
     for (int64_t k0 = lo; k0 < end; k0 += DOT_KEY_BLOCK) {
@@ -394,29 +407,20 @@ INLINE int prefill_item_dot(
                 const int64_t i = r0 + r;
                 dot_load_query(&st, r, q + TOKEN(i) * q_token_stride
                                           + (h * group + GROUP_ROW(i)) * D, D, 1);
-                memcpy(st.o + r * DOT_MAX_HEAD_DIM, o + i * D, 4 * D);
-                st.m[r] = m[i];
-                st.l[r] = l[i];
+                row_in(&st, r, o, m, l, i, D);
                 valid[r] = (last[i] - k0 < vis ? last[i] - k0 : vis);
             }
             dot_block(&st, kl, vl, (kn + 63) / 64 * 64, D, scale * (float)M_LOG2E, vis, valid,
                       1);
-            for (int r = 0; r < DOT_ROWS; r++) {
-                memcpy(o + (r0 + r) * D, st.o + r * DOT_MAX_HEAD_DIM, 4 * D);
-                m[r0 + r] = st.m[r];
-                l[r0 + r] = st.l[r];
-            }
+            for (int r = 0; r < DOT_ROWS; r++) row_out(&st, r, o, m, l, r0 + r, D);
         }
     }
-    for (int64_t r0 = 0; r0 < rows; r0 += DOT_ROWS)
-        for (int r = 0; r < DOT_ROWS && r0 + r < rows; r++) {
-            const int64_t i = r0 + r, token = TOKEN(i), head = h * group + GROUP_ROW(i);
-            memcpy(st.o + r * DOT_MAX_HEAD_DIM, o + i * D, 4 * D);
-            st.m[r] = m[i];
-            st.l[r] = l[i];
-            const float row_lse = dot_finish_row(&st, r, out + (token * heads + head) * D, D, 1);
-            if (lse) lse[token * heads + head] = row_lse;
-        }
+    for (int64_t i = 0; i < rows; i++) {
+        const int64_t token = TOKEN(i), head = h * group + GROUP_ROW(i);
+        row_in(&st, 0, o, m, l, i, D);
+        const float row_lse = dot_finish_row(&st, 0, out + (token * heads + head) * D, D, 1);
+        if (lse) lse[token * heads + head] = row_lse;
+    }
 #undef TOKEN
 #undef GROUP_ROW
     return 0;
