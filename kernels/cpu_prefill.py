@@ -36,8 +36,8 @@ class CpuPrefillKernel:
         # whether long bfloat16 chunks run on AVX512-BF16's dot products: on AMD's CPUs,
         # where they issue twice the multiply-adds of float32 FMAs; on Intel's they were
         # no faster (see the C source)
-        self.bf16_dot = (bool(lib.prefill_bf16_dot_available())
-                         and "AuthenticAMD" in cpu_build.cpu_identity())
+        self.dot_instructions = bool(lib.prefill_bf16_dot_available())
+        self.bf16_dot = self.dot_instructions and "AuthenticAMD" in cpu_build.cpu_identity()
         self._fns = cpu_build.entry_points(
             lib,
             {torch.float32: "prefill_attn_f32", torch.bfloat16: "prefill_attn_bf16"},

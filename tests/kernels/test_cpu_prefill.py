@@ -13,8 +13,19 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
-def kernel(built_or_skip):
+def loaded(built_or_skip):
     return built_or_skip(cpu_prefill.load(), "the CPU prefill kernel")
+
+
+@pytest.fixture(scope="module", params=["float32 form", "bfloat16 dot form"])
+def kernel(loaded, request):
+    """The kernel with long bfloat16 chunks on each form in turn, whichever one this CPU's
+    vendor gets by default: the dot form wherever the CPU has AVX512-BF16."""
+    kernel = cpu_prefill.CpuPrefillKernel(loaded.path)
+    kernel.bf16_dot = request.param == "bfloat16 dot form"
+    if kernel.bf16_dot and not kernel.dot_instructions:
+        pytest.skip("this CPU has no AVX512-BF16")
+    return kernel
 
 
 def chunks_of(batch, lo):
@@ -195,11 +206,11 @@ def test_a_nan_value_reaches_only_the_rows_computed_with_it(kernel, paged_batch,
 
 
 def test_long_bfloat16_chunks_take_the_dot_product_kernel(kernel, paged_batch):
-    """Where the CPU has AVX512-BF16, bfloat16 chunks with enough keys run on its paired dot
-    products (the cases above cover both forms); a chunk's result is the same whichever
+    """With the dot form on, bfloat16 chunks with enough keys run on AVX512-BF16's paired
+    dot products (the cases above cover both forms); a chunk's result is the same whichever
     form its neighbours take, and both match the reference."""
     if not kernel.bf16_dot:
-        pytest.skip("this CPU has no AVX512-BF16")
+        pytest.skip("the float32 form: covered by the cases above")
     batch = paged_batch([900, 60, 520], [900, 60, 200], block_size=16, num_kv_heads=2,
                         group=4, head_dim=128, dtype=torch.bfloat16, device=CPU)
     chunks = chunks_of(batch, [0, 0, 0])

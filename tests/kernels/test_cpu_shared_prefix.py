@@ -11,7 +11,12 @@ from batchinfer.kernels import cpu_shared_prefix
 
 @pytest.fixture(scope="module")
 def kernel(built_or_skip):
-    return built_or_skip(cpu_shared_prefix.load(), "the shared-prefix kernel")
+    """The kernel with bfloat16 on wherever the CPU has the instructions, AMX hosts (which
+    leave the work to torch's flash kernel) included."""
+    loaded = built_or_skip(cpu_shared_prefix.load(), "the shared-prefix kernel")
+    kernel = cpu_shared_prefix.CpuSharedPrefixKernel(loaded.path)
+    kernel.use_bf16 = kernel.bf16_instructions
+    return kernel
 
 
 def exact(q, k, v, scale):
