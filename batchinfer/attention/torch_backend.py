@@ -4,7 +4,8 @@ Once per step (not per layer) it turns block tables into gather indices and mask
 layer it writes the new K/V into the cache, gathers each sequence's context and runs SDPA.
 Decodes on CPU go to a C kernel that reads the blocks in place (kernels/cpu_decode.py)
 where it can be built, and so do prefill chunks without a sliding window
-(kernels/cpu_prefill.py), all of a step's chunks in one call. Otherwise decodes are batched
+(kernels/cpu_prefill.py), all of a step's chunks in one call (but for long bfloat16 ones
+on CPUs with AMX, which torch's flash kernel runs faster). Otherwise decodes are batched
 in a few groups of similar length (the runner sorts them) with the query heads of each KV
 head folded into the query axis, so GQA needs no K/V expansion, and prefill chunks run one
 flash call each.
@@ -163,12 +164,14 @@ class TorchAttention:
         return best, matched < best
 
     def _plan(self, meta: AttentionMetadata, window: int | None, dtype: torch.dtype,
-              decode_kernel: bool, prefill_kernel: bool) -> _StepPlan:
+              head_dim: int, decode_kernel: bool,
+              prefill_kernel: cpu_prefill.CpuPrefillKernel | None) -> _StepPlan:
         """Built on the host with numpy (small arrays: torch's per-op cost would dominate),
         then moved to the device once. With decode_kernel, decodes get key ranges for the C
         kernel instead of gather indices and masks; with prefill_kernel (and no window),
-        prefill chunks get one row each for the C kernel."""
-        key = ("plan", window, dtype, decode_kernel, prefill_kernel)
+        prefill chunks get one row each for the C kernel, but for those it leaves to flash
+        (see cpu_prefill.FLASH_MIN_KEYS_X_DIM2)."""
+        key = ("plan", window, dtype, head_dim, decode_kernel, prefill_kernel is not None)
         if key in meta.cache:
             return meta.cache[key]
         bs, nd, n = meta.block_size, meta.num_decode_seqs, meta.num_seqs
@@ -205,13 +208,22 @@ class TorchAttention:
                                   additive(valid)[:, None, None, :]))
 
         prefill_groups, group_slots, chunks, k0 = [], [], [], 0
-        prefill_chunks = None
+        prefill_chunks, torch_rows = None, range(nd, n)
         if prefill_kernel and window is None and n > nd:
             rows = np.arange(nd, n)
-            prefill_chunks = to_device(np.stack(
-                [rows, np.asarray(qsl[nd:n]), np.asarray(qsl[nd + 1:n + 1]), own_start[nd:n],
-                 lens[nd:n]], axis=1).astype(np.int32))
-        for i in range(nd if prefill_chunks is None else n, n):
+            starts, ends = np.asarray(qsl[nd:n]), np.asarray(qsl[nd + 1:n + 1])
+            own_keys = lens[nd:n] - own_start[nd:n]
+            flash_min = prefill_kernel.flash_min_keys_x_dim2
+            to_flash = np.zeros(n - nd, dtype=bool)
+            if flash_min is not None and dtype == torch.bfloat16:
+                to_flash = (own_keys == ends - starts) & (own_keys * head_dim ** 2 >= flash_min)
+            torch_rows = rows[to_flash].tolist()
+            if not to_flash.all():
+                keep = ~to_flash
+                prefill_chunks = to_device(np.stack(
+                    [rows[keep], starts[keep], ends[keep], own_start[nd:n][keep],
+                     lens[nd:n][keep]], axis=1).astype(np.int32))
+        for i in torch_rows:
             start, end, seq_len = qsl[i], qsl[i + 1], int(lens[i])
             kpos = np.arange(own_start[i], seq_len)
             mask = None
@@ -255,8 +267,8 @@ class TorchAttention:
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
         kernel = self._cpu_kernel(cpu_decode, query, num_kv_heads)
         prefill_kernel = self._cpu_kernel(cpu_prefill, query, num_kv_heads) if kernel else None
-        plan = self._plan(meta, sliding_window, query.dtype, kernel is not None,
-                          prefill_kernel is not None)
+        plan = self._plan(meta, sliding_window, query.dtype, head_dim, kernel is not None,
+                          prefill_kernel)
         cascade = plan.shared_slots is not None
 
         def gather(slots: torch.Tensor, shape: tuple[int, ...]):
@@ -315,7 +327,7 @@ class TorchAttention:
         if plan.prefill_chunks is not None:  # follows the decodes: merged == nd here
             prefill_kernel(query, k_cache, v_cache, meta.block_tables, plan.prefill_chunks,
                            scale, out_heads, None, (shared, shared_lse) if cascade else None)
-            merged = num_tokens
+            merged = num_tokens  # but for any chunks it left to flash, merged one by one below
         # prefill chunks: their keys gathered a group at a time, then one call each, all
         # query heads against the KV heads (no copy of the queries: [1, heads, tokens, D]
         # is a view of the token-major rows)
@@ -330,13 +342,20 @@ class TorchAttention:
                 if cascade:
                     lse[start:end] = l[0].transpose(0, 1).view(end - start, num_kv_heads,
                                                                group)
-        if not cascade or merged == num_tokens:
-            return out_heads
-
-        # weights e^lse / (e^lse + e^shared_lse) = sigmoid(lse - shared_lse); every query
-        # sees at least itself in its own part, so lse is finite. lerp computes in float32
-        # and rounds once, so a weight rounded to the model's dtype costs at most about one
-        # unit in the last place of the result, and skips two float32 copies.
-        own_weight = torch.sigmoid(lse[merged:] - shared_lse[merged:])[..., None].to(query.dtype)
-        torch.lerp(shared[merged:], out[merged:], own_weight, out=out[merged:])
+                    if merged == num_tokens:
+                        _merge_shared(out[start:end], lse[start:end], shared[start:end],
+                                      shared_lse[start:end])
+        if cascade and merged < num_tokens:
+            _merge_shared(out[merged:], lse[merged:], shared[merged:], shared_lse[merged:])
         return out_heads
+
+
+def _merge_shared(out: torch.Tensor, lse: torch.Tensor, shared: torch.Tensor,
+                  shared_lse: torch.Tensor) -> None:
+    """out (own keys' result, [T, Hkv, G, D]) becomes the result over own and shared keys.
+    The weights are e^lse / (e^lse + e^shared_lse) = sigmoid(lse - shared_lse); every query
+    sees at least itself in its own part, so lse is finite. lerp computes in float32 and
+    rounds once, so a weight rounded to the model's dtype costs at most about one unit in
+    the last place of the result, and skips two float32 copies."""
+    own_weight = torch.sigmoid(lse - shared_lse)[..., None].to(out.dtype)
+    torch.lerp(shared, out, own_weight, out=out)

@@ -106,6 +106,37 @@ def test_matches_reference(window, dtype, tol, use_cpu_kernel):
         assert plan.token_not_member.tolist() == [f for s, f in zip(seqs, skips) for _ in range(s[2])]
 
 
+@pytest.mark.parametrize("seqs, to_flash", [
+    # a member of the cascade whose keys are its own 100 tokens goes to flash, beside the
+    # two unshared prompts; the chunk after earlier own context (a mask) stays in the kernel
+    (MIXED + [(8, 228, 100)], [140, 100, 100]),
+    # every chunk exactly causal and long enough: no kernel call at all
+    ([(8, 130, 1), (8, 229, 101), (0, 140, 140)], [101, 140]),
+])
+def test_long_bfloat16_chunks_left_to_flash(monkeypatch, seqs, to_flash):
+    """Where the prefill kernel leaves long bfloat16 chunks to torch's flash kernel (CPUs
+    with AMX), those run as gathered flash calls, each merged with the shared prefix's
+    result on its own, and the others stay in the kernel's one call."""
+    kernel = cpu_prefill.load()
+    if kernel is None or cpu_decode.load() is None:
+        pytest.skip("the C kernels are not built here")
+    monkeypatch.setattr(kernel, "flash_min_keys_x_dim2", 64 * HEAD_DIM ** 2)
+    seqs = sorted(seqs, key=lambda s: s[2] != 1)
+    query, key, value, k_cache, v_cache, meta = paged_batch(seqs, torch.bfloat16)
+    out = TorchAttention().forward(query, key, value, k_cache, v_cache, meta, 0.2, None)
+    torch.testing.assert_close(out.float(), reference(query, k_cache, v_cache, meta, None),
+                               atol=3e-2, rtol=3e-2)
+    plan = step_plan(meta)
+    assert plan.shared_slots is not None
+    flashed = [end - start for _, chunks in plan.prefill_groups for start, end, *_ in chunks]
+    assert flashed == to_flash
+    kept = [s[2] for s in seqs if s[2] > 1 and s[2] not in to_flash]
+    if kept:
+        assert (plan.prefill_chunks[:, 2] - plan.prefill_chunks[:, 1]).tolist() == kept
+    else:
+        assert plan.prefill_chunks is None
+
+
 @pytest.mark.parametrize("max_gather_rows, groups", [(16384, 1), (150, 3)])
 def test_prefill_keys_gathered_in_bounded_groups(max_gather_rows, groups):
     """Without the C prefill kernel, prefill chunks share one gather until their keys pass
