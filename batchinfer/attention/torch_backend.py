@@ -92,8 +92,10 @@ class _StepPlan:
     decode_bounds: tuple[torch.Tensor, torch.Tensor] | None  # kernel path: int32 lo, hi per decode
     # prefill chunks in gather groups: (the group's keys, one chunk after another; its
     # chunks as start, end (tokens), k0, k1 (keys in the group), [tokens, keys] additive
-    # mask or None when exactly causal: its keys are its own tokens, no window)
-    prefill_groups: list[tuple[torch.Tensor, list[tuple[int, int, int, int, torch.Tensor | None]]]]
+    # mask or None, seen): without a mask, every token sees the first `seen` keys (earlier
+    # context) and the rest (its own tokens) causally; with one, seen is 0
+    prefill_groups: list[tuple[torch.Tensor,
+                               list[tuple[int, int, int, int, torch.Tensor | None, int]]]]
     # kernel path: [chunks, 5] int32 (sequence, start, end, first key, seq len) per chunk
     prefill_chunks: torch.Tensor | None = None
 
@@ -216,7 +218,8 @@ class TorchAttention:
             flash_min = prefill_kernel.flash_min_keys_x_dim2
             to_flash = np.zeros(n - nd, dtype=bool)
             if flash_min is not None and dtype == torch.bfloat16:
-                to_flash = (own_keys == ends - starts) & (own_keys * head_dim ** 2 >= flash_min)
+                to_flash = ((own_keys * head_dim ** 2 >= flash_min)
+                            & (ends - starts >= cpu_prefill.FLASH_MIN_QUERIES))
             torch_rows = rows[to_flash].tolist()
             if not to_flash.all():
                 keep = ~to_flash
@@ -226,8 +229,10 @@ class TorchAttention:
         for i in torch_rows:
             start, end, seq_len = qsl[i], qsl[i + 1], int(lens[i])
             kpos = np.arange(own_start[i], seq_len)
-            mask = None
-            if window is not None or len(kpos) != end - start:
+            mask, seen = None, 0
+            if prefill_kernel and window is None:  # left to flash: two calls, no mask
+                seen = len(kpos) - (end - start)
+            elif window is not None or len(kpos) != end - start:
                 qpos = np.arange(seq_len - (end - start), seq_len)
                 valid = kpos[None, :] <= qpos[:, None]
                 if window is not None:
@@ -237,7 +242,7 @@ class TorchAttention:
                 prefill_groups.append((to_device(np.concatenate(group_slots)), chunks))
                 group_slots, chunks, k0 = [], [], 0
             group_slots.append(_slots(tables[i:i + 1], kpos[None, :], bs)[0])
-            chunks.append((start, end, k0, k0 + len(kpos), mask))
+            chunks.append((start, end, k0, k0 + len(kpos), mask, seen))
             k0 += len(kpos)
         if chunks:
             prefill_groups.append((to_device(np.concatenate(group_slots)), chunks))
@@ -333,15 +338,25 @@ class TorchAttention:
         # is a view of the token-major rows)
         for slots, chunks in plan.prefill_groups:
             k_all, v_all = gather(slots, (slots.shape[0],))
-            for start, end, k0, k1, mask in chunks:
+            for start, end, k0, k1, mask, seen in chunks:
                 qi = query[start:end].transpose(0, 1)[None]
-                o, l = _attention_with_lse(qi, k_all[k0:k1].transpose(0, 1)[None],
-                                           v_all[k0:k1].transpose(0, 1)[None], mask, scale,
-                                           causal=mask is None)
-                out_heads[start:end] = o[0].transpose(0, 1)
+
+                def attend(a: int, b: int, causal: bool):  # keys [a, b) of the group
+                    o, l = _attention_with_lse(qi, k_all[a:b].transpose(0, 1)[None],
+                                               v_all[a:b].transpose(0, 1)[None], mask, scale,
+                                               causal=causal)
+                    return o[0].transpose(0, 1), l[0].transpose(0, 1).reshape(
+                        end - start, num_kv_heads, group)
+
+                o, l = attend(k0 + seen, k1, mask is None)
+                out_heads[start:end] = o
+                if seen:  # the earlier context, seen whole: merged in by log-sum-exp
+                    o_seen, l_seen = attend(k0, k0 + seen, False)
+                    _merge_shared(out[start:end], l, o_seen.reshape(out[start:end].shape),
+                                  l_seen)
+                    l = torch.logaddexp(l, l_seen)
                 if cascade:
-                    lse[start:end] = l[0].transpose(0, 1).view(end - start, num_kv_heads,
-                                                               group)
+                    lse[start:end] = l
                     if merged == num_tokens:
                         _merge_shared(out[start:end], lse[start:end], shared[start:end],
                                       shared_lse[start:end])

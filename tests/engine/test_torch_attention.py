@@ -107,16 +107,20 @@ def test_matches_reference(window, dtype, tol, use_cpu_kernel):
 
 
 @pytest.mark.parametrize("seqs, to_flash", [
-    # a member of the cascade whose keys are its own 100 tokens goes to flash, beside the
-    # two unshared prompts; the chunk after earlier own context (a mask) stays in the kernel
-    (MIXED + [(8, 228, 100)], [140, 100, 100]),
-    # every chunk exactly causal and long enough: no kernel call at all
-    ([(8, 130, 1), (8, 229, 101), (0, 140, 140)], [101, 140]),
+    # (query tokens, earlier keys seen whole) of the chunks left to flash: a member of the
+    # cascade whose keys are its own 100 tokens, the two unshared prompts, and chunks after
+    # earlier context of their own (a long prompt's later chunk): 40 after 32 keys, 100
+    # after 200; the 22-token chunk stays in the kernel (too short)
+    (MIXED + [(8, 228, 100), (0, 300, 100)], [(40, 32), (140, 0), (100, 0), (100, 0),
+                                               (100, 200)]),
+    # every chunk long enough: no kernel call at all
+    ([(8, 130, 1), (8, 229, 101), (0, 140, 140)], [(101, 0), (140, 0)]),
 ])
 def test_long_bfloat16_chunks_left_to_flash(monkeypatch, seqs, to_flash):
     """Where the prefill kernel leaves long bfloat16 chunks to torch's flash kernel (CPUs
-    with AMX), those run as gathered flash calls, each merged with the shared prefix's
-    result on its own, and the others stay in the kernel's one call."""
+    with AMX), those run as gathered flash calls without a mask (earlier context and own
+    tokens apart), each merged with the shared prefix's result on its own, and the others
+    stay in the kernel's one call."""
     kernel = cpu_prefill.load()
     if kernel is None or cpu_decode.load() is None:
         pytest.skip("the C kernels are not built here")
@@ -128,9 +132,10 @@ def test_long_bfloat16_chunks_left_to_flash(monkeypatch, seqs, to_flash):
                                atol=3e-2, rtol=3e-2)
     plan = step_plan(meta)
     assert plan.shared_slots is not None
-    flashed = [end - start for _, chunks in plan.prefill_groups for start, end, *_ in chunks]
+    flashed = [(end - start, seen) for _, chunks in plan.prefill_groups
+               for start, end, _, _, mask, seen in chunks if mask is None]
     assert flashed == to_flash
-    kept = [s[2] for s in seqs if s[2] > 1 and s[2] not in to_flash]
+    kept = [s[2] for s in seqs if s[2] > 1 and s[2] not in [q for q, _ in to_flash]]
     if kept:
         assert (plan.prefill_chunks[:, 2] - plan.prefill_chunks[:, 1]).tolist() == kept
     else:
@@ -153,7 +158,7 @@ def test_prefill_keys_gathered_in_bounded_groups(max_gather_rows, groups):
     assert len(plan.prefill_groups) == groups
     assert sum(len(chunks) for _, chunks in plan.prefill_groups) == 4
     # exactly causal chunks (keys = their own tokens) take no mask
-    masks = [mask is None for _, chunks in plan.prefill_groups for *_, mask in chunks]
+    masks = [mask is None for _, chunks in plan.prefill_groups for *_, mask, _ in chunks]
     assert masks == [False, True, True, True]
 
 
