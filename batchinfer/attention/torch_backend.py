@@ -332,7 +332,8 @@ class TorchAttention:
         if plan.prefill_chunks is not None:  # follows the decodes: merged == nd here
             prefill_kernel(query, k_cache, v_cache, meta.block_tables, plan.prefill_chunks,
                            scale, out_heads, None, (shared, shared_lse) if cascade else None)
-            merged = num_tokens  # but for any chunks it left to flash, merged one by one below
+        if prefill_kernel is not None:
+            merged = num_tokens  # but for any chunks left to flash, merged one by one below
         # prefill chunks: their keys gathered a group at a time, then one call each, all
         # query heads against the KV heads (no copy of the queries: [1, heads, tokens, D]
         # is a view of the token-major rows)
@@ -350,11 +351,14 @@ class TorchAttention:
 
                 o, l = attend(k0 + seen, k1, mask is None)
                 out_heads[start:end] = o
-                if seen:  # the earlier context, seen whole: merged in by log-sum-exp
+                if seen:  # the earlier context, seen whole, and the shared prefix's result:
+                    # merged with the chunk's own part in float32, rounded once
                     o_seen, l_seen = attend(k0, k0 + seen, False)
-                    _merge_shared(out[start:end], l, o_seen.reshape(out[start:end].shape),
-                                  l_seen)
-                    l = torch.logaddexp(l, l_seen)
+                    parts = [(out[start:end], l), (o_seen.reshape(out[start:end].shape), l_seen)]
+                    if cascade:  # (merged == num_tokens: the policy's chunks only)
+                        parts.append((shared[start:end], shared_lse[start:end]))
+                    _merge_parts(out[start:end], parts)
+                    continue
                 if cascade:
                     lse[start:end] = l
                     if merged == num_tokens:
@@ -363,6 +367,16 @@ class TorchAttention:
         if cascade and merged < num_tokens:
             _merge_shared(out[merged:], lse[merged:], shared[merged:], shared_lse[merged:])
         return out_heads
+
+
+def _merge_parts(out: torch.Tensor,
+                 parts: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """out [T, Hkv, G, D] = attention over the union of the parts' keys, from each part's
+    (result, log-sum-exp), weighted by e^(lse - total) in float32 and rounded once. A part
+    over no keys (lse -inf) adds nothing; the first part's lse is finite."""
+    total = torch.logsumexp(torch.stack([lse for _, lse in parts]), dim=0)
+    merged = sum(torch.exp(lse - total)[..., None] * o.float() for o, lse in parts)
+    out.copy_(merged)
 
 
 def _merge_shared(out: torch.Tensor, lse: torch.Tensor, shared: torch.Tensor,
