@@ -78,6 +78,13 @@ def cpu_identity() -> str:
         return platform.processor()
 
 
+def has_amx() -> bool:
+    """Whether the CPU has AMX's bfloat16 matrix units (Linux's amx_bf16 flag), which
+    torch's oneDNN products and CPU flash kernel use."""
+    return any(line.startswith("flags") and "amx_bf16" in line.split()
+               for line in cpu_identity().splitlines())
+
+
 def _flags() -> list[str]:
     flags = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11", f"-I{HERE}"]
     if platform.machine() in ("x86_64", "AMD64"):

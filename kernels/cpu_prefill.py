@@ -26,9 +26,9 @@ MAX_HEAD_DIM = 256
 # where the CPU has it (prefill_attn_cpu.c: DOT_MIN_KEY_ELEMENTS)
 DOT_MIN_KEY_ELEMENTS = 16384
 # On CPUs with AMX, bfloat16 chunks with keys x head_dim^2 from this on are left to torch's
-# flash kernel. Measured on a 2-core AMX Xeon VM, about 4096 tokens of
-# equal chunks of their own tokens, keys gathered, kernel / flash time: head_dim 32: 0.73 (512 keys),
-# 1.06 (1024), 1.32 (2048); head_dim 64: 0.63 (128), 1.05 (256), 1.19 (512), 2.11 (2048);
+# flash kernel. Measured on a 2-core AMX Xeon VM, about 4096 tokens in equal chunks of
+# their own tokens, keys gathered, kernel / flash time: head_dim 32: 0.73 (512 keys), 1.06
+# (1024), 1.32 (2048); head_dim 64: 0.63 (128), 1.05 (256), 1.19 (512), 2.11 (2048);
 # head_dim 128: 0.83 (64), 1.11 (128), 1.51 (256), 2.93 (2048). Flash wins past about
 # keys x head_dim^2 = 2^20; this bound takes only the clear wins.
 FLASH_MIN_KEYS_X_DIM2 = 1 << 21
@@ -54,8 +54,7 @@ class CpuPrefillKernel:
         # On CPUs with AMX, torch's flash kernel runs a long bfloat16 chunk's products on the
         # matrix units and beats both forms here; the caller leaves it the chunks with
         # keys x head_dim^2 at least this (FLASH_MIN_KEYS_X_DIM2), None elsewhere.
-        self.flash_min_keys_x_dim2 = (FLASH_MIN_KEYS_X_DIM2 if " amx_bf16"
-                                      in cpu_build.cpu_identity() else None)
+        self.flash_min_keys_x_dim2 = FLASH_MIN_KEYS_X_DIM2 if cpu_build.has_amx() else None
         self._fns = cpu_build.entry_points(
             lib,
             {torch.float32: "prefill_attn_f32", torch.bfloat16: "prefill_attn_bf16"},

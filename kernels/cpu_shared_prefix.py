@@ -40,9 +40,9 @@ class CpuSharedPrefixKernel:
         self.bf16_instructions = bool(lib.shared_prefix_bf16_available())
         if not self.bf16_instructions:
             del self._fns[torch.bfloat16]
-        # where the CPU has AMX (Linux's amx_bf16 flag), torch's flash kernel runs its
-        # bfloat16 products on the matrix units and is left the work
-        self.use_bf16 = self.bf16_instructions and " amx_bf16" not in cpu_build.cpu_identity()
+        # where the CPU has AMX, torch's flash kernel runs its bfloat16 products on the
+        # matrix units and is left the work
+        self.use_bf16 = self.bf16_instructions and not cpu_build.has_amx()
         self._scratch_words = lib.shared_prefix_scratch_words
         self._scratch_words.argtypes, self._scratch_words.restype = [i64, i64, i64, i64], i64
         # the keys laid out, reused across calls: one buffer per thread, since the call

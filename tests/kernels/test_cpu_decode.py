@@ -228,3 +228,13 @@ def test_a_read_only_cache_builds_in_the_temp_dir(fresh_loader, kernel, monkeypa
     (tmp_path / "tmp").mkdir()
     built = cpu_decode.load()
     assert built is not None and (tmp_path / "tmp") in built.path.parents
+
+
+@pytest.mark.parametrize("identity, amx", [
+    ("flags\t\t: fpu avx512f avx512_bf16 amx_bf16 amx_tile\nvendor_id\t: GenuineIntel\n", True),
+    ("flags\t\t: fpu avx512f avx512_bf16\nmodel name\t: amx_bf16 lookalike\n", False),
+    ("flags\t\t: fpu avx512f amx_bf16x\n", False),
+])
+def test_amx_is_read_from_the_flags_line(monkeypatch, identity, amx):
+    monkeypatch.setattr(cpu_build, "cpu_identity", lambda: identity)
+    assert cpu_build.has_amx() is amx
