@@ -13,10 +13,13 @@ BLOCK = 16
 KV_HEADS, GROUP, HEAD_DIM = 2, 4, 32
 
 
-def paged_batch(seqs: list[tuple[int, int, int]], dtype=torch.float32, seed=0):
+def paged_batch(seqs: list[tuple[int, int, int]], dtype=torch.float32, seed=0,
+                heads: tuple[int, int, int] = (KV_HEADS, GROUP, HEAD_DIM)):
     """seqs: (shared_blocks, seq_len, query_len). The first `shared_blocks` blocks of each
     sequence are the same physical blocks (a cached system prompt); the rest are its own.
-    Decodes (query_len 1) must come first."""
+    Decodes (query_len 1) must come first. heads: KV heads, query heads per KV head,
+    head_dim."""
+    kv_heads, group, head_dim = heads
     gen = torch.Generator().manual_seed(seed)
     shared_ids = list(range(1, 1 + max(s for s, _, _ in seqs)))
     next_id = 1 + len(shared_ids)
@@ -29,7 +32,7 @@ def paged_batch(seqs: list[tuple[int, int, int]], dtype=torch.float32, seed=0):
         tables.append(table)
         for p in range(seq_len - q_len, seq_len):
             slots.append(table[p // BLOCK] * BLOCK + p % BLOCK)
-    shape = (next_id, BLOCK, KV_HEADS, HEAD_DIM)
+    shape = (next_id, BLOCK, kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=gen).to(dtype)
     v_cache = torch.randn(shape, generator=gen).to(dtype)
     width = max(map(len, tables))
@@ -42,9 +45,9 @@ def paged_batch(seqs: list[tuple[int, int, int]], dtype=torch.float32, seed=0):
         qsl.append(qsl[-1] + q)
     slot_t = torch.tensor(slots)
     # the new tokens' K/V are what the cache already holds at their slots
-    key = k_cache.view(-1, KV_HEADS, HEAD_DIM)[slot_t].clone()
-    value = v_cache.view(-1, KV_HEADS, HEAD_DIM)[slot_t].clone()
-    query = torch.randn(qsl[-1], KV_HEADS * GROUP, HEAD_DIM, generator=gen).to(dtype)
+    key = k_cache.view(-1, kv_heads, head_dim)[slot_t].clone()
+    value = v_cache.view(-1, kv_heads, head_dim)[slot_t].clone()
+    query = torch.randn(qsl[-1], kv_heads * group, head_dim, generator=gen).to(dtype)
     seq_lens = [s for _, s, _ in seqs]
     meta = AttentionMetadata(
         slot_mapping=slot_t, query_start_loc=torch.tensor(qsl, dtype=torch.int32),
@@ -140,6 +143,32 @@ def test_long_bfloat16_chunks_left_to_flash(monkeypatch, seqs, to_flash):
         assert (plan.prefill_chunks[:, 2] - plan.prefill_chunks[:, 1]).tolist() == kept
     else:
         assert plan.prefill_chunks is None
+
+
+@pytest.mark.parametrize("heads", [(3, 3, 64), (1, 2, 128)])
+@pytest.mark.parametrize("max_gather_rows", [16384, 200])
+def test_flash_chunks_after_earlier_context_other_shapes(monkeypatch, heads, max_gather_rows):
+    """The same split for SmolLM2's and a head_dim-128 shape, with the chunks in one gather
+    group or each in its own."""
+    kernel = cpu_prefill.load()
+    if kernel is None or cpu_decode.load() is None:
+        pytest.skip("the C kernels are not built here")
+    monkeypatch.setattr(kernel, "flash_min_keys_x_dim2", 64 * heads[2] ** 2)
+    seqs = [(8, 150, 1), (8, 170, 1), (8, 300, 60), (0, 250, 90), (8, 228, 100), (2, 180, 40)]
+    query, key, value, k_cache, v_cache, meta = paged_batch(seqs, torch.bfloat16, seed=3,
+                                                            heads=heads)
+    backend = TorchAttention()
+    backend.max_gather_rows = max_gather_rows
+    out = backend.forward(query, key, value, k_cache, v_cache, meta, 0.2, None)
+    torch.testing.assert_close(out.float(), reference(query, k_cache, v_cache, meta, None),
+                               atol=3e-2, rtol=3e-2)
+    plan = step_plan(meta)
+    flashed = [(end - start, seen) for _, chunks in plan.prefill_groups
+               for start, end, _, _, _, seen in chunks]
+    # own keys after the 128 shared: 172 (60 queries), 100; the others' own keys start at 0
+    assert flashed == [(60, 112), (90, 160), (100, 0), (40, 140)]
+    assert len(plan.prefill_groups) == (1 if max_gather_rows == 16384 else 4)
+    assert plan.prefill_chunks is None
 
 
 @pytest.mark.parametrize("max_gather_rows, groups", [(16384, 1), (150, 3)])
