@@ -13,7 +13,7 @@ import torch
 from batchinfer.attention import AttentionMetadata, get_attention_backend
 from batchinfer.config import EngineConfig
 from batchinfer.engine.cuda_graphs import DecodeGraphs, capture_sizes
-from batchinfer.engine.host_memory import keep_freed_memory
+from batchinfer.engine.host_memory import KVPagePopulator, keep_freed_memory
 from batchinfer.engine.regex_guide import RegexMatcher
 from batchinfer.engine.sampler import Sampler, SamplingBatch
 from batchinfer.engine.scheduler import SchedulerOutput
@@ -122,6 +122,11 @@ class ModelRunner:
         # every rank must hold the same blocks: the smallest pool any rank can afford
         self.num_blocks = TensorParallel.min_across_ranks(self._num_kv_blocks(max_model_len))
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        # on CPU, the cache's pages are backed ahead of the blocks' first use (host_memory)
+        self.kv_pages = KVPagePopulator(
+            [t.data_ptr() for pair in self.kv_caches for t in pair],
+            self.block_bytes // (2 * self.num_layers), self.num_blocks, self.block_bytes) \
+            if device.type == "cpu" else None
         self.max_model_len = min(max_model_len, self.num_blocks * self.block_size)
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         # int32, as the attention backends take it: a step's slice needs no conversion
@@ -299,6 +304,8 @@ class ModelRunner:
         rows = np.array([s.row for s in states], dtype=np.int64)
         max_blocks = -(-int((starts + num_new).max()) // self.block_size)
         block_tables = self.block_table[rows, :max_blocks]
+        if self.kv_pages is not None:
+            self.kv_pages.cover(int(block_tables.max()))
         graphs = self.graphs
         if graphs is not None and len(decodes) == len(order) <= graphs.max_size:
             hidden = graphs.run(input_ids, positions, self._slots(block_tables, num_new, positions),
