@@ -118,6 +118,9 @@ def measure_overhead(model_path: str, num_seqs: int, context_len: int, steps: in
         config = engine.model_config
         runner = engine.model_runner
         runner.model = ZeroModel(runner.model, config.hidden_size, config.vocab_size)
+        # the stub writes no KV: its cache needs no memory backing it (which a real model's
+        # writes would claim, and which is no engine work)
+        runner.kv_pages = None
         rng = np.random.default_rng(seed)
         params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_new)
         for i in range(num_seqs):

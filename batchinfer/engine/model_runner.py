@@ -200,7 +200,7 @@ class ModelRunner:
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         # Left uninitialised: no backend reads a slot before it is written (padding reads
         # are clamped to written positions or masked loads), and on CPU the pages of a
-        # large pool are only backed by memory once blocks are used.
+        # large pool are only backed by memory as blocks come into use (kv_pages).
         cache = torch.empty((self.num_layers, 2, num_blocks, *self.kv_shape), dtype=self.dtype,
                             device=self.device)
         return [(cache[i, 0], cache[i, 1]) for i in range(self.num_layers)]
