@@ -30,12 +30,19 @@ def anonymous_map(pages: int):
     return region, address
 
 
+@pytest.fixture(scope="module")
+def populate_works():
+    region, address = anonymous_map(1)
+    if not (sys.platform.startswith("linux") and host_memory.populate(address, 1)):
+        pytest.skip("no MADV_POPULATE_WRITE here (Linux 5.14 and later)")
+    del region
+
+
 @linux_only
-def test_populate_backs_the_pages_and_keeps_their_contents():
+def test_populate_backs_the_pages_and_keeps_their_contents(populate_works):
     region, address = anonymous_map(8)
     region[5] = 7
-    if not host_memory.populate(address, 1):  # kernels before 5.14
-        pytest.skip("this kernel has no MADV_POPULATE_WRITE")
+    assert host_memory.populate(address, 1)
     assert resident_pages(address, 8 * mmap.PAGESIZE)[:2] == [True, False]
     # an unaligned range is widened to whole pages
     assert host_memory.populate(address + 2 * mmap.PAGESIZE + 100, 2 * mmap.PAGESIZE)
@@ -45,7 +52,7 @@ def test_populate_backs_the_pages_and_keeps_their_contents():
 
 
 @linux_only
-def test_populator_backs_blocks_ahead_of_use_per_region():
+def test_populator_backs_blocks_ahead_of_use_per_region(populate_works, monkeypatch):
     """Two regions (a layer's K and V) of 16 blocks of one page each; blocks up to the
     highest id in use plus the ahead budget are backed, in both, and only once."""
     maps = [anonymous_map(16), anonymous_map(16)]  # (kept mapped to the end)
@@ -53,22 +60,17 @@ def test_populator_backs_blocks_ahead_of_use_per_region():
     pop = KVPagePopulator([k, v], mmap.PAGESIZE, 16, 2 * mmap.PAGESIZE)
     pop.ahead_blocks = 2
     pop.cover(3)
-    if pop.populated == 16 and not any(resident_pages(k, 16 * mmap.PAGESIZE)):
-        pytest.skip("this kernel has no MADV_POPULATE_WRITE")
     assert pop.populated == 6
     for address in (k, v):
         assert resident_pages(address, 16 * mmap.PAGESIZE) == [True] * 6 + [False] * 10
     calls = []
     real = host_memory.populate
-    host_memory.populate = lambda a, n: calls.append((a, n)) or real(a, n)
-    try:
-        pop.cover(5)   # within what is backed: nothing to do
-        assert calls == []
-        pop.cover(14)  # up to 14 + 2, capped at the last block
-        assert calls == [(k + 6 * mmap.PAGESIZE, 10 * mmap.PAGESIZE),
-                         (v + 6 * mmap.PAGESIZE, 10 * mmap.PAGESIZE)]
-    finally:
-        host_memory.populate = real
+    monkeypatch.setattr(host_memory, "populate", lambda a, n: calls.append((a, n)) or real(a, n))
+    pop.cover(5)   # within what is backed: nothing to do
+    assert calls == []
+    pop.cover(14)  # up to 14 + 2, capped at the last block
+    assert calls == [(k + 6 * mmap.PAGESIZE, 10 * mmap.PAGESIZE),
+                     (v + 6 * mmap.PAGESIZE, 10 * mmap.PAGESIZE)]
     assert pop.populated == 16
     assert all(resident_pages(k, 16 * mmap.PAGESIZE))
 
@@ -82,9 +84,11 @@ def test_populator_stops_trying_where_the_os_cannot(monkeypatch):
     pop.cover(99)
 
 
-def test_an_engine_on_cpu_backs_the_blocks_its_steps_use(llama_dir, monkeypatch):
-    """Every block a step writes lies within what was backed before the step ran, in every
-    layer's K and V, and the backed part grows only as blocks come into use."""
+def test_an_engine_on_cpu_backs_the_blocks_its_steps_use(llama_dir, monkeypatch,
+                                                         populate_works):
+    """Every block a step writes lies within what was backed before the step ran (each
+    layer's K and V are regions of the populator), and the backed part grows only as
+    blocks come into use."""
     llm = LLM(model=str(llama_dir), max_model_len=256, num_kv_blocks=400)
     runner = llm.llm_engine.model_runner
     pages = runner.kv_pages
