@@ -72,12 +72,11 @@ class KVPagePopulator:
 
     AHEAD_BYTES = 64 << 20
 
-    def __init__(self, regions: list[int], block_bytes: int, num_blocks: int,
-                 all_layers_block_bytes: int):
+    def __init__(self, regions: list[int], block_bytes: int, num_blocks: int):
         """regions: the address of each per-layer K or V tensor of num_blocks blocks of
-        block_bytes each; all_layers_block_bytes: one block's bytes over all of them."""
+        block_bytes each."""
         self.regions, self.block_bytes, self.num_blocks = regions, block_bytes, num_blocks
-        self.ahead_blocks = max(1, self.AHEAD_BYTES // all_layers_block_bytes)
+        self.ahead_blocks = max(1, self.AHEAD_BYTES // (block_bytes * len(regions)))
         self.populated = 0
 
     def cover(self, max_block_id: int) -> None:

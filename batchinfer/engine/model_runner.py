@@ -125,8 +125,7 @@ class ModelRunner:
         # on CPU, the cache's pages are backed ahead of the blocks' first use (host_memory)
         self.kv_pages = KVPagePopulator(
             [t.data_ptr() for pair in self.kv_caches for t in pair],
-            self.block_bytes // (2 * self.num_layers), self.num_blocks, self.block_bytes) \
-            if device.type == "cpu" else None
+            self.kv_caches[0][0][0].nbytes, self.num_blocks) if device.type == "cpu" else None
         self.max_model_len = min(max_model_len, self.num_blocks * self.block_size)
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         # int32, as the attention backends take it: a step's slice needs no conversion

@@ -11,10 +11,6 @@ from batchinfer import LLM, SamplingParams
 from batchinfer.engine import host_memory
 from batchinfer.engine.host_memory import KVPagePopulator
 
-linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"),
-                                reason="MADV_POPULATE_WRITE and mincore are Linux's")
-
-
 def resident_pages(address: int, length: int) -> list[bool]:
     """Which pages of a page-aligned range are backed by memory now (mincore)."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -32,13 +28,13 @@ def anonymous_map(pages: int):
 
 @pytest.fixture(scope="module")
 def populate_works():
+    """Skips where pages cannot be populated ahead (and mincore read): Linux 5.14 on."""
     region, address = anonymous_map(1)
     if not (sys.platform.startswith("linux") and host_memory.populate(address, 1)):
         pytest.skip("no MADV_POPULATE_WRITE here (Linux 5.14 and later)")
     del region
 
 
-@linux_only
 def test_populate_backs_the_pages_and_keeps_their_contents(populate_works):
     region, address = anonymous_map(8)
     region[5] = 7
@@ -51,13 +47,12 @@ def test_populate_backs_the_pages_and_keeps_their_contents(populate_works):
     assert region[5] == 7
 
 
-@linux_only
 def test_populator_backs_blocks_ahead_of_use_per_region(populate_works, monkeypatch):
     """Two regions (a layer's K and V) of 16 blocks of one page each; blocks up to the
     highest id in use plus the ahead budget are backed, in both, and only once."""
     maps = [anonymous_map(16), anonymous_map(16)]  # (kept mapped to the end)
     k, v = (address for _, address in maps)
-    pop = KVPagePopulator([k, v], mmap.PAGESIZE, 16, 2 * mmap.PAGESIZE)
+    pop = KVPagePopulator([k, v], mmap.PAGESIZE, 16)
     pop.ahead_blocks = 2
     pop.cover(3)
     assert pop.populated == 6
@@ -77,7 +72,7 @@ def test_populator_backs_blocks_ahead_of_use_per_region(populate_works, monkeypa
 
 def test_populator_stops_trying_where_the_os_cannot(monkeypatch):
     monkeypatch.setattr(host_memory, "populate", lambda a, n: False)
-    pop = KVPagePopulator([4096, 8192], 64, 100, 128)
+    pop = KVPagePopulator([4096, 8192], 64, 100)
     pop.cover(0)
     assert pop.populated == 100  # no further calls
     monkeypatch.setattr(host_memory, "populate", lambda a, n: pytest.fail("called again"))
