@@ -41,18 +41,29 @@ void silu_mul_bf16(const uint16_t *gate, const uint16_t *up, uint16_t *out, int6
     }
 }
 
-/* out = weight * round(x * 1/sqrt(mean(x^2) + eps)) per row of [rows, n] (n a multiple of
+/* Row r of x lies at element (r / inner) * x_outer + (r % inner) * n, and of out at
+ * (r / inner) * out_outer + (r % inner) * n: contiguous rows have inner == rows, and a
+ * per-head norm walks a run of `inner` heads in each token's row of a projection. out may
+ * be x (in place). A residual, when given, is contiguous [rows, n]. */
+static inline int64_t row_at(int64_t r, int64_t inner, int64_t outer, int64_t n) {
+    return r / inner * outer + r % inner * n;
+}
+
+/* out = weight * round(x * 1/sqrt(mean(x^2) + eps)) per row of n elements (a multiple of
  * 16), as transformers' RMSNorm computes it for bfloat16: the statistics and the scaling in
- * float32, rounded to bfloat16, then multiplied by the weight and rounded again. With a
- * residual, x is first added to it (rounded, as torch's bfloat16 add), the sum is written
- * back to residual and normalised in place of x. */
-void rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *weight,
-                   uint16_t *out, int64_t rows, int64_t n, float eps) {
+ * float32, rounded to bfloat16, then multiplied by the weight and rounded again. With
+ * weight_f32, weight is float32 and the product is taken before the one rounding,
+ * round(x * 1/sqrt(...) * weight), as Gemma's norm does with its 1 + w. With a residual, x
+ * is first added to it (rounded, as torch's bfloat16 add), the sum is written back to
+ * residual and normalised in place of x. */
+void rms_norm_bf16(const uint16_t *x, uint16_t *residual, const void *weight, uint16_t *out,
+                   int64_t rows, int64_t n, int64_t inner, int64_t x_outer, int64_t out_outer,
+                   float eps, int weight_f32) {
     const int64_t n32 = n / 32 * 32;
     #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *row = x + r * n;
-        uint16_t *o = out + r * n;
+        const uint16_t *row = x + row_at(r, inner, x_outer, n);
+        uint16_t *o = out + row_at(r, inner, out_outer, n);
         f32x16 e, od, e2, o2;
         if (residual) {
             uint16_t *sum = residual + r * n;
@@ -74,20 +85,36 @@ void rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *weight
             acc += v * v;
         }
         const float inv = 1.0f / sqrtf(hsum(acc) / (float)n + eps);
+        if (weight_f32) {
+            const float *w = weight;
+            for (int64_t i = 0; i < n32; i += 32) {
+                load_bf16x2(row + i, &e, &od);
+                const f32x16 w0 = load_f32(w + i), w1 = load_f32(w + i + 16);
+                store_bf16x2(o + i,
+                             e * inv * SHUFFLE(w0, w1, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20,
+                                               22, 24, 26, 28, 30),
+                             od * inv * SHUFFLE(w0, w1, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21,
+                                                23, 25, 27, 29, 31));
+            }
+            if (n32 < n) store_bf16(o + n32, load_bf16(row + n32) * inv * load_f32(w + n32));
+            continue;
+        }
+        const uint16_t *w = weight;
         for (int64_t i = 0; i < n32; i += 32) {
             load_bf16x2(row + i, &e, &od);
-            load_bf16x2(weight + i, &e2, &o2);
+            load_bf16x2(w + i, &e2, &o2);
             store_bf16x2(o + i, e2 * round_bf16(e * inv), o2 * round_bf16(od * inv));
         }
         if (n32 < n) {
             const f32x16 v = round_bf16(load_bf16(row + n32) * inv);
-            store_bf16(o + n32, load_bf16(weight + n32) * v);
+            store_bf16(o + n32, load_bf16(w + n32) * v);
         }
     }
 }
 
 /* The same two operations for float32: silu(gate) * up, and weight * (x / sqrt(mean(x^2) +
- * eps)) with the residual add before it, each in one pass (n a multiple of 16). */
+ * eps)) with the residual add before it and rows laid out as for bfloat16, each in one pass
+ * (n a multiple of 16). */
 void silu_mul_f32(const float *gate, const float *up, float *out, int64_t rows, int64_t n,
                   int64_t gate_stride, int64_t up_stride, int64_t out_stride) {
     #pragma omp parallel for schedule(static)
@@ -102,11 +129,12 @@ void silu_mul_f32(const float *gate, const float *up, float *out, int64_t rows, 
 }
 
 void rms_norm_f32(const float *x, float *residual, const float *weight, float *out,
-                  int64_t rows, int64_t n, float eps) {
+                  int64_t rows, int64_t n, int64_t inner, int64_t x_outer, int64_t out_outer,
+                  float eps) {
     #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        const float *row = x + r * n;
-        float *o = out + r * n;
+        const float *row = x + row_at(r, inner, x_outer, n);
+        float *o = out + row_at(r, inner, out_outer, n);
         if (residual) {
             float *sum = residual + r * n;
             for (int64_t i = 0; i < n; i += 16)

@@ -27,9 +27,11 @@ class CpuOps:
         self._silu_mul = cpu_build.entry_points(
             lib, {torch.bfloat16: "silu_mul_bf16", torch.float32: "silu_mul_f32"},
             [p, p, p, i64, i64, i64, i64, i64], None)
-        self._rms_norm = cpu_build.entry_points(
-            lib, {torch.bfloat16: "rms_norm_bf16", torch.float32: "rms_norm_f32"},
-            [p, p, p, p, i64, i64, ctypes.c_float], None)
+        rms_args = [p, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float]
+        self._rms_norm = {
+            **cpu_build.entry_points(lib, {torch.bfloat16: "rms_norm_bf16"},
+                                     rms_args + [ctypes.c_int], None),
+            **cpu_build.entry_points(lib, {torch.float32: "rms_norm_f32"}, rms_args, None)}
         self._argmax = cpu_build.entry_points(
             lib, {torch.bfloat16: "argmax_bf16", torch.float32: "argmax_f32"},
             [p, i64, i64, i64, p], None)
@@ -40,22 +42,58 @@ class CpuOps:
                 and x.dim() >= 1
                 and x.shape[-1] % 16 == 0 and x.is_contiguous())
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None) -> torch.Tensor:
-        """weight * round(x / sqrt(mean(x^2) + eps)) over the last dimension (the rounding
-        only for bfloat16). With residual: residual += x (in place, rounded as torch's add),
-        and the sum is what is normalised."""
-        if not (self.handles(x) and weight.dtype == x.dtype and weight.is_contiguous()
-                and weight.shape == x.shape[-1:] and weight.device.type == "cpu"
-                and (residual is None or (self.handles(residual) and residual.shape == x.shape
-                                          and residual.dtype == x.dtype
-                                          and residual.data_ptr() != x.data_ptr()))):
-            raise ValueError("cpu rms_norm: arguments out of contract")
-        out = torch.empty_like(x)
+    @staticmethod
+    def row_layout(x: torch.Tensor) -> tuple[int, int] | None:
+        """(inner, outer_stride) when x's rows of x.shape[-1] elements lie as the kernels
+        walk them: a contiguous x, or [tokens, heads, head_dim] with the heads of a token
+        contiguous and tokens outer_stride elements apart (some heads of a projection's
+        output). None for any other layout."""
+        if not (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32)
+                and x.dim() >= 1 and x.shape[-1] % 16 == 0):
+            return None
         n = x.shape[-1]
-        self._rms_norm[x.dtype](x.data_ptr(),
-                                residual.data_ptr() if residual is not None else None,
-                                weight.data_ptr(), out.data_ptr(), x.numel() // n, n, eps)
+        if x.is_contiguous():
+            return max(x.numel() // n, 1), 0
+        if x.dim() == 3 and x.stride(2) == 1 and (x.stride(1) == n or x.shape[1] == 1):
+            return x.shape[1], x.stride(0)
+        return None
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None, out: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        """weight * round(x / sqrt(mean(x^2) + eps)) over the last dimension (the rounding
+        only for bfloat16); a float32 weight with bfloat16 x multiplies before the one
+        rounding, round(x / sqrt(...) * weight) (Gemma's order). With residual (x and it
+        contiguous): residual += x (in place, rounded as torch's add), and the sum is what is
+        normalised. x may be some heads of a projection's output (row_layout), and out may
+        be x itself (in place); a new contiguous tensor otherwise."""
+        layout = self.row_layout(x)
+        weight_f32 = x.dtype == torch.bfloat16 and weight.dtype == torch.float32
+        if not (layout is not None and (weight.dtype == x.dtype or weight_f32)
+                and weight.is_contiguous() and weight.shape == x.shape[-1:]
+                and weight.device.type == "cpu"
+                and (residual is None or (x.is_contiguous() and self.handles(residual)
+                                          and residual.shape == x.shape
+                                          and residual.dtype == x.dtype
+                                          and residual.data_ptr() != x.data_ptr()))
+                and (out is None or out is x)):
+            raise ValueError("cpu rms_norm: arguments out of contract")
+        inner, x_outer = layout
+        if out is None:
+            out = torch.empty(x.shape, dtype=x.dtype)
+            out_outer = inner * x.shape[-1]
+        else:
+            out_outer = x_outer
+        n = x.shape[-1]
+        if x.numel() == 0:
+            return out
+        args = (x.data_ptr(), residual.data_ptr() if residual is not None else None,
+                weight.data_ptr(), out.data_ptr(), x.numel() // n, n, inner, x_outer,
+                out_outer, eps)
+        if x.dtype == torch.bfloat16:
+            self._rms_norm[x.dtype](*args, int(weight_f32))
+        else:
+            self._rms_norm[x.dtype](*args)
         return out
 
     def silu_mul_(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -33,12 +33,24 @@ class RMSNorm(nn.Module):
         fused into the norm (residual may be updated in place)."""
         ops = cpu_ops.for_tensor(x)  # bfloat16/float32 on CPU: one fused pass
         if ops is not None and (residual is None or ops.handles(residual)):
-            out = ops.rms_norm(x, self.weight, self.eps, residual)
+            out = ops.rms_norm(x, self.kernel_weight(), self.eps, residual)
             return out if residual is None else (out, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+    def forward_(self, x: torch.Tensor) -> torch.Tensor:
+        """norm(x) written over x, which may be a view of some heads of a projection's
+        output (q or k of a fused qkv): per-head norms without a copy on CPU."""
+        ops = cpu_ops.load() if cpu_ops.CpuOps.row_layout(x) is not None else None
+        if ops is not None:
+            return ops.rms_norm(x, self.kernel_weight(), self.eps, out=x)
+        return x.copy_(self._norm(x))
+
+    def kernel_weight(self) -> torch.Tensor:
+        """The weight as the CPU kernel takes it."""
+        return self.weight
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -51,11 +63,9 @@ class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the stored weight is an offset from 1, and the product is taken in
     float32 before rounding to the model's dtype (Llama rounds first)."""
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+    def kernel_weight(self) -> torch.Tensor:
+        """1 + weight in float32: the CPU kernel multiplies by it before rounding."""
+        return 1.0 + self.weight.float()
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         out = x.float()
@@ -108,9 +118,9 @@ class Attention(nn.Module):
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            qk = torch.cat((self.q_norm(qk[:, :self.num_heads]),
-                            self.k_norm(qk[:, self.num_heads:])), dim=1)
+        if self.q_norm is not None:  # per head, in place (qkv is this call's own)
+            self.q_norm.forward_(qk[:, :self.num_heads])
+            self.k_norm.forward_(qk[:, self.num_heads:])
         rope_write = cpu_rope.load() if qk.device.type == "cpu" else None
         if rope_write is not None and rope_write.handles(qk):
             # on CPU: q and k rotated, and k and v written to the cache, in one C pass

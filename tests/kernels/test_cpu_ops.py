@@ -61,6 +61,83 @@ def test_rms_norm_with_the_residual_add_fused(ops):
         ops.rms_norm(x, weight, 1e-5, x)  # the residual may not be x itself
 
 
+def assert_rms_close(out, expected):
+    """bfloat16: at most a rare last-place difference (the sum of squares' order);
+    float32: within rounding."""
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-30)
+        return
+    differ = out != expected
+    assert differ.float().mean() < 1e-3
+    ulp = (expected.float().abs() * 2 ** -7).clamp(min=1e-30)
+    assert ((out.float() - expected.float()).abs()[differ] <= ulp[differ]).all()
+
+
+def test_rms_norm_in_gemmas_order_with_a_float32_weight(ops):
+    """bfloat16 x with a float32 weight (Gemma's 1 + w): the product is taken before the
+    one rounding, not after rounding the normalised row."""
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(300, 1152, generator=gen) * 4).bfloat16()
+    scale = 1.0 + torch.randn(1152, generator=gen) * 0.3
+    xf = x.float()
+    expected = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * scale).bfloat16()
+    out = ops.rms_norm(x, scale, 1e-6)
+    assert_rms_close(out, expected)
+    llama_order = torch_rms_norm(x, scale.bfloat16(), 1e-6)
+    assert (llama_order != expected).float().mean() > 0.05  # the two orders do differ
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm_over_some_heads_of_a_projection_in_place(ops, dtype):
+    """q's heads of a fused qkv output ([tokens, heads, head_dim] with a token stride of the
+    whole row): normalised in place, every other element of the row untouched."""
+    gen = torch.Generator().manual_seed(9)
+    tokens, q_heads, kv_heads, head_dim = 37, 6, 2, 64
+    qkv = (torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim, generator=gen) * 4).to(dtype)
+    weight = torch.randn(head_dim, generator=gen).to(dtype)
+    heads = qkv.view(tokens, q_heads + 2 * kv_heads, head_dim)
+    before = qkv.clone()
+    q = heads[:, :q_heads]
+    xf = q.float()
+    expected = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    fresh = ops.rms_norm(q, weight, 1e-6)  # a new contiguous tensor
+    assert fresh.is_contiguous() and torch.equal(q, before.view_as(heads)[:, :q_heads])
+    assert ops.rms_norm(q, weight, 1e-6, out=q) is q
+    assert_rms_close(q, expected)
+    assert torch.equal(q, fresh)
+    assert torch.equal(heads[:, q_heads:], before.view_as(heads)[:, q_heads:])
+    k = heads[:, q_heads:q_heads + 1]  # one head: any stride between heads
+    xf = k.float()
+    expected = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    assert_rms_close(ops.rms_norm(k, weight, 1e-6, out=k), expected)
+    with pytest.raises(ValueError, match="out of contract"):  # heads not contiguous
+        ops.rms_norm(heads[:, ::2], weight, 1e-6)
+    with pytest.raises(ValueError, match="out of contract"):  # the residual wants x contiguous
+        ops.rms_norm(q, weight, 1e-6, torch.zeros(q.shape, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_model_norms_take_the_kernel_as_their_torch_form_computes(ops, monkeypatch, dtype):
+    """RMSNorm and GemmaRMSNorm: the whole-row norm, the per-head in-place norm, and the
+    torch fallback each give what the layer's torch form gives."""
+    from batchinfer.model.llama import GemmaRMSNorm, RMSNorm
+    gen = torch.Generator().manual_seed(3)
+    qkv = (torch.randn(29, 8 * 32, generator=gen) * 3).to(dtype)
+    heads = qkv.view(29, 8, 32)
+    for cls in (RMSNorm, GemmaRMSNorm):
+        norm = cls(32, 1e-6)
+        norm.weight.data = (torch.randn(32, generator=gen) * 0.3).to(dtype)
+        expected = norm._norm(heads[:, 2:5])
+        assert_rms_close(norm(heads[:, 2:5].contiguous()), expected)
+        x = qkv.clone().view(29, 8, 32)
+        assert_rms_close(norm.forward_(x[:, 2:5]), expected)
+        assert torch.equal(x[:, 5:], heads[:, 5:])
+        monkeypatch.setattr(cpu_ops, "load", lambda: None)
+        x = qkv.clone().view(29, 8, 32)
+        assert torch.equal(norm.forward_(x[:, 2:5]), expected)  # torch's own, copied in
+        monkeypatch.undo()
+
+
 @pytest.mark.parametrize("shape", [(1, 16), (37, 576), (2, 9, 1536)])
 def test_float32_silu_mul_within_a_few_ulp_of_torch(ops, shape):
     gen = torch.Generator().manual_seed(shape[-1])
