@@ -228,22 +228,31 @@ class TorchAttention:
                      lens[nd:n][keep]], axis=1).astype(np.int32))
         for i in torch_rows:
             start, end, seq_len = qsl[i], qsl[i + 1], int(lens[i])
-            kpos = np.arange(own_start[i], seq_len)
-            mask, seen = None, 0
-            if prefill_kernel and window is None:  # left to flash: two calls, no mask
-                seen = len(kpos) - (end - start)
-            elif window is not None or len(kpos) != end - start:
-                qpos = np.arange(seq_len - (end - start), seq_len)
-                valid = kpos[None, :] <= qpos[:, None]
-                if window is not None:
-                    valid &= kpos[None, :] > qpos[:, None] - window
-                mask = additive(valid)
-            if chunks and k0 + len(kpos) > self.max_gather_rows:
-                prefill_groups.append((to_device(np.concatenate(group_slots)), chunks))
-                group_slots, chunks, k0 = [], [], 0
-            group_slots.append(_slots(tables[i:i + 1], kpos[None, :], bs)[0])
-            chunks.append((start, end, k0, k0 + len(kpos), mask, seen))
-            k0 += len(kpos)
+            # with a sliding window, the chunk goes in runs of `window` queries, each
+            # gathering only the keys its queries see (at most 2 * window - 1), so long
+            # prompts cost O(length * window), not O(length^2)
+            run = end - start if window is None else window
+            for r0 in range(start, end, run):
+                r1 = min(r0 + run, end)
+                first_q, end_q = seq_len - (end - r0), seq_len - (end - r1)  # positions
+                first_key = own_start[i] if window is None \
+                    else max(own_start[i], first_q - window + 1)
+                kpos = np.arange(first_key, end_q)
+                mask, seen = None, 0
+                if prefill_kernel and window is None:  # left to flash: two calls, no mask
+                    seen = len(kpos) - (r1 - r0)
+                elif window is not None or len(kpos) != r1 - r0:
+                    qpos = np.arange(first_q, end_q)
+                    valid = kpos[None, :] <= qpos[:, None]
+                    if window is not None:
+                        valid &= kpos[None, :] > qpos[:, None] - window
+                    mask = additive(valid)
+                if chunks and k0 + len(kpos) > self.max_gather_rows:
+                    prefill_groups.append((to_device(np.concatenate(group_slots)), chunks))
+                    group_slots, chunks, k0 = [], [], 0
+                group_slots.append(_slots(tables[i:i + 1], kpos[None, :], bs)[0])
+                chunks.append((r0, r1, k0, k0 + len(kpos), mask, seen))
+                k0 += len(kpos)
         if chunks:
             prefill_groups.append((to_device(np.concatenate(group_slots)), chunks))
 

@@ -109,6 +109,23 @@ def test_matches_reference(window, dtype, tol, use_cpu_kernel):
         assert plan.token_not_member.tolist() == [f for s, f in zip(seqs, skips) for _ in range(s[2])]
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+def test_sliding_window_chunks_gather_only_the_keys_their_runs_see(dtype, tol):
+    """A prompt chunk under a window goes in runs of `window` queries, each with at most
+    2 * window - 1 keys (not the whole context): long prompts cost length x window."""
+    window = 48
+    seqs = [(0, 400, 1), (0, 300, 300), (0, 700, 130), (0, 60, 60)]
+    query, key, value, k_cache, v_cache, meta = paged_batch(seqs, dtype)
+    out = TorchAttention().forward(query, key, value, k_cache, v_cache, meta, 0.2, window)
+    torch.testing.assert_close(out.float(), reference(query, k_cache, v_cache, meta, window),
+                               atol=tol, rtol=tol)
+    chunks = [c for _, group in step_plan(meta).prefill_groups for c in group]
+    assert [(end - start, k1 - k0) for start, end, k0, k1, *_ in chunks] == (
+        [(48, 48)] + [(48, 95)] * 5 + [(12, 59)]   # 300 queries from position 0
+        + [(48, 95)] * 2 + [(34, 81)]              # 130 after 570 earlier tokens
+        + [(48, 48), (12, 59)])                    # 60 from position 0
+
+
 @pytest.mark.parametrize("seqs, to_flash", [
     # (query tokens, earlier keys seen whole) of the chunks left to flash: a member of the
     # cascade whose keys are its own 100 tokens, the two unshared prompts, and chunks after
