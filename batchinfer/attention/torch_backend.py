@@ -3,12 +3,12 @@
 Once per step (not per layer) it turns block tables into gather indices and masks; per
 layer it writes the new K/V into the cache, gathers each sequence's context and runs SDPA.
 Decodes on CPU go to a C kernel that reads the blocks in place (kernels/cpu_decode.py)
-where it can be built, and so do prefill chunks without a sliding window
-(kernels/cpu_prefill.py), all of a step's chunks in one call (but for long bfloat16 ones
-on CPUs with AMX, which torch's flash kernel runs faster). Otherwise decodes are batched
-in a few groups of similar length (the runner sorts them) with the query heads of each KV
-head folded into the query axis, so GQA needs no K/V expansion, and prefill chunks run one
-flash call each.
+where it can be built, and so do prefill chunks of sequences no longer than the sliding
+window, if any (kernels/cpu_prefill.py), all of a step's chunks in one call (but for long
+bfloat16 ones on CPUs with AMX, which torch's flash kernel runs faster). Otherwise decodes
+are batched in a few groups of similar length (the runner sorts them) with the query heads
+of each KV head folded into the query axis, so GQA needs no K/V expansion, and prefill
+chunks run one flash call each (under a window, one per run of `window` queries).
 
 Cascade: when sequences share leading blocks (a common system prompt) that lie wholly
 before all of their queries, those blocks are attended once for the whole batch — one
@@ -170,9 +170,9 @@ class TorchAttention:
               prefill_kernel: cpu_prefill.CpuPrefillKernel | None) -> _StepPlan:
         """Built on the host with numpy (small arrays: torch's per-op cost would dominate),
         then moved to the device once. With decode_kernel, decodes get key ranges for the C
-        kernel instead of gather indices and masks; with prefill_kernel (and no window),
-        prefill chunks get one row each for the C kernel, but for those it leaves to flash
-        (see cpu_prefill.FLASH_MIN_KEYS_X_DIM2)."""
+        kernel instead of gather indices and masks; with prefill_kernel, prefill chunks get
+        one row each for the C kernel, but for those it leaves to flash: sequences longer
+        than the window, and see cpu_prefill.FLASH_MIN_KEYS_X_DIM2."""
         key = ("plan", window, dtype, head_dim, decode_kernel, prefill_kernel is not None)
         if key in meta.cache:
             return meta.cache[key]
@@ -211,15 +211,18 @@ class TorchAttention:
 
         prefill_groups, group_slots, chunks, k0 = [], [], [], 0
         prefill_chunks, torch_rows = None, range(nd, n)
-        if prefill_kernel and window is None and n > nd:
+        # a window hides keys only from sequences longer than it; the C prefill kernel
+        # has no window, so it takes the others
+        windowed = lens > window if window is not None else np.zeros(n, dtype=bool)
+        if prefill_kernel and n > nd:
             rows = np.arange(nd, n)
             starts, ends = np.asarray(qsl[nd:n]), np.asarray(qsl[nd + 1:n + 1])
             own_keys = lens[nd:n] - own_start[nd:n]
             flash_min = prefill_kernel.flash_min_keys_x_dim2
-            to_flash = np.zeros(n - nd, dtype=bool)
+            to_flash = windowed[nd:n].copy()
             if flash_min is not None and dtype == torch.bfloat16:
-                to_flash = ((own_keys * head_dim ** 2 >= flash_min)
-                            & (ends - starts >= cpu_prefill.FLASH_MIN_QUERIES))
+                to_flash |= ((own_keys * head_dim ** 2 >= flash_min)
+                             & (ends - starts >= cpu_prefill.FLASH_MIN_QUERIES))
             torch_rows = rows[to_flash].tolist()
             if not to_flash.all():
                 keep = ~to_flash
@@ -228,24 +231,24 @@ class TorchAttention:
                      lens[nd:n][keep]], axis=1).astype(np.int32))
         for i in torch_rows:
             start, end, seq_len = qsl[i], qsl[i + 1], int(lens[i])
-            # with a sliding window, the chunk goes in runs of `window` queries, each
-            # gathering only the keys its queries see (at most 2 * window - 1), so long
-            # prompts cost O(length * window), not O(length^2)
-            run = end - start if window is None else window
+            # under a window, the chunk goes in runs of `window` queries, each gathering
+            # only the keys its queries see (at most 2 * window - 1), so long prompts cost
+            # O(length * window), not O(length^2)
+            w = window if windowed[i] else None
+            run = end - start if w is None else w
             for r0 in range(start, end, run):
                 r1 = min(r0 + run, end)
                 first_q, end_q = seq_len - (end - r0), seq_len - (end - r1)  # positions
-                first_key = own_start[i] if window is None \
-                    else max(own_start[i], first_q - window + 1)
+                first_key = own_start[i] if w is None else max(own_start[i], first_q - w + 1)
                 kpos = np.arange(first_key, end_q)
                 mask, seen = None, 0
-                if prefill_kernel and window is None:  # left to flash: two calls, no mask
+                if prefill_kernel and w is None:  # left to flash: two calls, no mask
                     seen = len(kpos) - (r1 - r0)
-                elif window is not None or len(kpos) != r1 - r0:
+                elif w is not None or len(kpos) != r1 - r0:
                     qpos = np.arange(first_q, end_q)
                     valid = kpos[None, :] <= qpos[:, None]
-                    if window is not None:
-                        valid &= kpos[None, :] > qpos[:, None] - window
+                    if w is not None:
+                        valid &= kpos[None, :] > qpos[:, None] - w
                     mask = additive(valid)
                 if chunks and k0 + len(kpos) > self.max_gather_rows:
                     prefill_groups.append((to_device(np.concatenate(group_slots)), chunks))

@@ -111,19 +111,28 @@ def test_matches_reference(window, dtype, tol, use_cpu_kernel):
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
 def test_sliding_window_chunks_gather_only_the_keys_their_runs_see(dtype, tol):
-    """A prompt chunk under a window goes in runs of `window` queries, each with at most
-    2 * window - 1 keys (not the whole context): long prompts cost length x window."""
+    """A prompt chunk of a sequence longer than the window goes in runs of `window`
+    queries, each with at most 2 * window - 1 keys (not the whole context): long prompts
+    cost length x window. Sequences no longer than the window lose no keys to it and go to
+    the C prefill kernel where it is built."""
     window = 48
-    seqs = [(0, 400, 1), (0, 300, 300), (0, 700, 130), (0, 60, 60)]
+    seqs = [(0, 400, 1), (0, 300, 300), (0, 700, 130), (0, 60, 60), (0, 40, 40), (0, 48, 20)]
     query, key, value, k_cache, v_cache, meta = paged_batch(seqs, dtype)
     out = TorchAttention().forward(query, key, value, k_cache, v_cache, meta, 0.2, window)
     torch.testing.assert_close(out.float(), reference(query, k_cache, v_cache, meta, window),
                                atol=tol, rtol=tol)
-    chunks = [c for _, group in step_plan(meta).prefill_groups for c in group]
-    assert [(end - start, k1 - k0) for start, end, k0, k1, *_ in chunks] == (
-        [(48, 48)] + [(48, 95)] * 5 + [(12, 59)]   # 300 queries from position 0
-        + [(48, 95)] * 2 + [(34, 81)]              # 130 after 570 earlier tokens
-        + [(48, 48), (12, 59)])                    # 60 from position 0
+    plan = step_plan(meta)
+    chunks = [c for _, group in plan.prefill_groups for c in group]
+    runs = [(end - start, k1 - k0) for start, end, k0, k1, *_ in chunks]
+    expected = ([(48, 48)] + [(48, 95)] * 5 + [(12, 59)]   # 300 queries from position 0
+                + [(48, 95)] * 2 + [(34, 81)]              # 130 after 570 earlier tokens
+                + [(48, 48), (12, 59)])                    # 60 from position 0
+    if cpu_prefill.load() is not None and cpu_decode.load() is not None:
+        assert plan.prefill_chunks[:, 0].tolist() == [4, 5]
+    else:  # the short ones through flash too, whole, causal
+        assert plan.prefill_chunks is None
+        expected += [(40, 40), (20, 48)]
+    assert runs == expected
 
 
 @pytest.mark.parametrize("seqs, to_flash", [
