@@ -5,8 +5,9 @@
  *
  * For bfloat16 each function rounds where torch's sequence of bfloat16 operations rounds,
  * so silu_mul gives torch's bits and rms_norm differs only where its float32 sum of
- * squares, added in another order, lands on the other side of a bfloat16 rounding boundary
- * (a few in a million elements, by one unit in the last place). For float32 nothing is
+ * squares, added in another order (or, in Gemma's order, 1/sqrtf against torch's rsqrt),
+ * lands on the other side of a bfloat16 rounding boundary (a few in a million elements,
+ * by one unit in the last place). For float32 nothing is
  * rounded between steps, as in torch; the sum of squares' order and the exp polynomial
  * (vexp against torch's) differ in the last bits.
  */
@@ -52,13 +53,13 @@ static inline int64_t row_at(int64_t r, int64_t inner, int64_t outer, int64_t n)
 /* out = weight * round(x * 1/sqrt(mean(x^2) + eps)) per row of n elements (a multiple of
  * 16), as transformers' RMSNorm computes it for bfloat16: the statistics and the scaling in
  * float32, rounded to bfloat16, then multiplied by the weight and rounded again. With
- * weight_f32, weight is float32 and the product is taken before the one rounding,
+ * gemma_order, weight is float32 and the product is taken before the one rounding,
  * round(x * 1/sqrt(...) * weight), as Gemma's norm does with its 1 + w. With a residual, x
  * is first added to it (rounded, as torch's bfloat16 add), the sum is written back to
  * residual and normalised in place of x. */
 void rms_norm_bf16(const uint16_t *x, uint16_t *residual, const void *weight, uint16_t *out,
                    int64_t rows, int64_t n, int64_t inner, int64_t x_outer, int64_t out_outer,
-                   float eps, int weight_f32) {
+                   float eps, int gemma_order) {
     const int64_t n32 = n / 32 * 32;
     #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
@@ -85,7 +86,7 @@ void rms_norm_bf16(const uint16_t *x, uint16_t *residual, const void *weight, ui
             acc += v * v;
         }
         const float inv = 1.0f / sqrtf(hsum(acc) / (float)n + eps);
-        if (weight_f32) {
+        if (gemma_order) {
             const float *w = weight;
             for (int64_t i = 0; i < n32; i += 32) {
                 load_bf16x2(row + i, &e, &od);

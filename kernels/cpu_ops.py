@@ -5,7 +5,8 @@ torch runs RMSNorm as about eight passes over memory (nine with the residual add
 it) and SiLU-times-up as two, for bfloat16 each converting to float32 and back, for
 float32 each writing a temporary; these do each in one pass, for bfloat16 with torch's
 rounding (see cpu_ops.c). They apply to contiguous bfloat16 and float32 CPU tensors whose
-last dimension is a multiple of 16; for anything else, or when the library cannot be built,
+last dimension is a multiple of 16 (RMSNorm also to some heads of a projection's output,
+in place: per-head q/k norms); for anything else, or when the library cannot be built,
 for_tensor() returns None and the model keeps to torch.
 """
 from __future__ import annotations
@@ -54,22 +55,23 @@ class CpuOps:
         n = x.shape[-1]
         if x.is_contiguous():
             return max(x.numel() // n, 1), 0
-        if x.dim() == 3 and x.stride(2) == 1 and (x.stride(1) == n or x.shape[1] == 1):
+        if (x.dim() == 3 and x.stride(2) == 1 and (x.stride(1) == n or x.shape[1] == 1)
+                and x.stride(0) >= x.shape[1] * n):  # tokens' rows do not overlap
             return x.shape[1], x.stride(0)
         return None
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None, out: torch.Tensor | None = None
-                 ) -> torch.Tensor:
+                 residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                 gemma_order: bool = False) -> torch.Tensor:
         """weight * round(x / sqrt(mean(x^2) + eps)) over the last dimension (the rounding
-        only for bfloat16); a float32 weight with bfloat16 x multiplies before the one
-        rounding, round(x / sqrt(...) * weight) (Gemma's order). With residual (x and it
+        only for bfloat16); with gemma_order (bfloat16 x), weight is float32 and multiplies
+        before the one rounding, round(x / sqrt(...) * weight). With residual (x and it
         contiguous): residual += x (in place, rounded as torch's add), and the sum is what is
         normalised. x may be some heads of a projection's output (row_layout), and out may
         be x itself (in place); a new contiguous tensor otherwise."""
         layout = self.row_layout(x)
-        weight_f32 = x.dtype == torch.bfloat16 and weight.dtype == torch.float32
-        if not (layout is not None and (weight.dtype == x.dtype or weight_f32)
+        if not (layout is not None and (not gemma_order or x.dtype == torch.bfloat16)
+                and weight.dtype == (torch.float32 if gemma_order else x.dtype)
                 and weight.is_contiguous() and weight.shape == x.shape[-1:]
                 and weight.device.type == "cpu"
                 and (residual is None or (x.is_contiguous() and self.handles(residual)
@@ -91,7 +93,7 @@ class CpuOps:
                 weight.data_ptr(), out.data_ptr(), x.numel() // n, n, inner, x_outer,
                 out_outer, eps)
         if x.dtype == torch.bfloat16:
-            self._rms_norm[x.dtype](*args, int(weight_f32))
+            self._rms_norm[x.dtype](*args, int(gemma_order))
         else:
             self._rms_norm[x.dtype](*args)
         return out

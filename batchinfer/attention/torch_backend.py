@@ -90,10 +90,11 @@ class _StepPlan:
     token_not_member: torch.Tensor | None  # [num_tokens] bool: token's sequence skips it
     decode_groups: list[tuple[int, int, torch.Tensor, int, torch.Tensor]]  # a, b, slots, S, mask
     decode_bounds: tuple[torch.Tensor, torch.Tensor] | None  # kernel path: int32 lo, hi per decode
-    # prefill chunks in gather groups: (the group's keys, one chunk after another; its
-    # chunks as start, end (tokens), k0, k1 (keys in the group), [tokens, keys] additive
-    # mask or None, seen): without a mask, every token sees the first `seen` keys (earlier
-    # context) and the rest (its own tokens) causally; with one, seen is 0
+    # prefill chunks (or, under a sliding window, runs of a chunk's queries) in gather
+    # groups: (the group's keys, one chunk after another; its chunks as start, end
+    # (tokens), k0, k1 (keys in the group), [tokens, keys] additive mask or None, seen):
+    # without a mask, every token sees the first `seen` keys (earlier context) and the rest
+    # (its own tokens) causally; with one, seen is 0
     prefill_groups: list[tuple[torch.Tensor,
                                list[tuple[int, int, int, int, torch.Tensor | None, int]]]]
     # kernel path: [chunks, 5] int32 (sequence, start, end, first key, seq len) per chunk
@@ -235,7 +236,7 @@ class TorchAttention:
             # only the keys its queries see (at most 2 * window - 1), so long prompts cost
             # O(length * window), not O(length^2)
             w = window if windowed[i] else None
-            run = end - start if w is None else w
+            run = max(end - start if w is None else w, 1)
             for r0 in range(start, end, run):
                 r1 = min(r0 + run, end)
                 first_q, end_q = seq_len - (end - r0), seq_len - (end - r1)  # positions

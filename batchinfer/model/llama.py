@@ -33,7 +33,7 @@ class RMSNorm(nn.Module):
         fused into the norm (residual may be updated in place)."""
         ops = cpu_ops.for_tensor(x)  # bfloat16/float32 on CPU: one fused pass
         if ops is not None and (residual is None or ops.handles(residual)):
-            out = ops.rms_norm(x, self.kernel_weight(), self.eps, residual)
+            out = self._kernel(ops, x, residual)
             return out if residual is None else (out, residual)
         if residual is None:
             return self._norm(x)
@@ -45,12 +45,12 @@ class RMSNorm(nn.Module):
         output (q or k of a fused qkv): per-head norms without a copy on CPU."""
         ops = cpu_ops.load() if cpu_ops.CpuOps.row_layout(x) is not None else None
         if ops is not None:
-            return ops.rms_norm(x, self.kernel_weight(), self.eps, out=x)
+            return self._kernel(ops, x, out=x)
         return x.copy_(self._norm(x))
 
-    def kernel_weight(self) -> torch.Tensor:
-        """The weight as the CPU kernel takes it."""
-        return self.weight
+    def _kernel(self, ops, x, residual=None, out=None) -> torch.Tensor:
+        """The norm by the CPU kernel (cpu_ops.CpuOps.rms_norm's arguments)."""
+        return ops.rms_norm(x, self.weight, self.eps, residual, out)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -63,9 +63,10 @@ class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the stored weight is an offset from 1, and the product is taken in
     float32 before rounding to the model's dtype (Llama rounds first)."""
 
-    def kernel_weight(self) -> torch.Tensor:
-        """1 + weight in float32: the CPU kernel multiplies by it before rounding."""
-        return 1.0 + self.weight.float()
+    def _kernel(self, ops, x, residual=None, out=None) -> torch.Tensor:
+        # 1 + weight in float32, multiplied before the one rounding (bfloat16)
+        return ops.rms_norm(x, 1.0 + self.weight.float(), self.eps, residual, out,
+                            gemma_order=x.dtype == torch.bfloat16)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         out = x.float()

@@ -135,6 +135,24 @@ def test_sliding_window_chunks_gather_only_the_keys_their_runs_see(dtype, tol):
     assert runs == expected
 
 
+def test_a_window_longer_than_every_sequence_changes_nothing():
+    """Window 256 over MIXED (contexts up to 200): the same plan as without a window
+    (the cascade, the C kernels where built) and the same result."""
+    seqs = sorted(MIXED, key=lambda s: s[2] != 1)
+    query, key, value, k_cache, v_cache, meta = paged_batch(seqs)
+    out = TorchAttention().forward(query, key, value, k_cache, v_cache, meta, 0.2, 256)
+    torch.testing.assert_close(out, reference(query, k_cache, v_cache, meta, 256),
+                               atol=2e-5, rtol=2e-5)
+    query, key, value, k_cache, v_cache, meta_none = paged_batch(seqs)
+    assert torch.equal(out, TorchAttention().forward(query, key, value, k_cache, v_cache,
+                                                     meta_none, 0.2, None))
+    plan, plan_none = step_plan(meta), step_plan(meta_none)
+    assert torch.equal(plan.shared_slots, plan_none.shared_slots)
+    assert (plan.prefill_chunks is None) == (plan_none.prefill_chunks is None)
+    if plan.prefill_chunks is not None:
+        assert torch.equal(plan.prefill_chunks, plan_none.prefill_chunks)
+
+
 @pytest.mark.parametrize("seqs, to_flash", [
     # (query tokens, earlier keys seen whole) of the chunks left to flash: a member of the
     # cascade whose keys are its own 100 tokens, the two unshared prompts, and chunks after

@@ -81,10 +81,14 @@ def test_rms_norm_in_gemmas_order_with_a_float32_weight(ops):
     scale = 1.0 + torch.randn(1152, generator=gen) * 0.3
     xf = x.float()
     expected = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * scale).bfloat16()
-    out = ops.rms_norm(x, scale, 1e-6)
+    out = ops.rms_norm(x, scale, 1e-6, gemma_order=True)
     assert_rms_close(out, expected)
     llama_order = torch_rms_norm(x, scale.bfloat16(), 1e-6)
     assert (llama_order != expected).float().mean() > 0.05  # the two orders do differ
+    with pytest.raises(ValueError, match="out of contract"):  # only when asked for
+        ops.rms_norm(x, scale, 1e-6)
+    with pytest.raises(ValueError, match="out of contract"):  # a bfloat16 order only
+        ops.rms_norm(x.float(), scale, 1e-6, gemma_order=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -106,12 +110,15 @@ def test_rms_norm_over_some_heads_of_a_projection_in_place(ops, dtype):
     assert_rms_close(q, expected)
     assert torch.equal(q, fresh)
     assert torch.equal(heads[:, q_heads:], before.view_as(heads)[:, q_heads:])
-    k = heads[:, q_heads:q_heads + 1]  # one head: any stride between heads
+    k = heads[:, q_heads::100]  # one head: any stride between heads
+    assert k.shape[1] == 1 and k.stride(1) != head_dim
     xf = k.float()
     expected = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
     assert_rms_close(ops.rms_norm(k, weight, 1e-6, out=k), expected)
     with pytest.raises(ValueError, match="out of contract"):  # heads not contiguous
         ops.rms_norm(heads[:, ::2], weight, 1e-6)
+    with pytest.raises(ValueError, match="out of contract"):  # tokens' rows overlap
+        ops.rms_norm(heads[:1].expand(3, -1, -1), weight, 1e-6)
     with pytest.raises(ValueError, match="out of contract"):  # the residual wants x contiguous
         ops.rms_norm(q, weight, 1e-6, torch.zeros(q.shape, dtype=dtype))
 
@@ -179,12 +186,15 @@ def test_only_contiguous_bfloat16_or_float32_cpu_tensors_with_16_multiple_rows(o
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_engine_output_with_and_without_the_ops(llama_dir, monkeypatch, dtype):
+@pytest.mark.parametrize("fixture", ["llama_dir", "qwen3_dir", "gemma3_dir"])
+def test_engine_output_with_and_without_the_ops(fixture, request, monkeypatch, dtype):
+    """Llama's norms; Qwen3's per-head q/k norms in place; Gemma 3's norms in its order."""
+    model_dir = request.getfixturevalue(fixture)
     prompts = ["The quick brown fox", "Batch inference on a CPU", "a b c d e f g"]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     with_ops = [o.outputs[0].token_ids
-                for o in LLM(model=str(llama_dir), dtype=dtype).generate(prompts, params)]
+                for o in LLM(model=str(model_dir), dtype=dtype).generate(prompts, params)]
     monkeypatch.setattr(cpu_ops, "load", lambda: None)
     without = [o.outputs[0].token_ids
-               for o in LLM(model=str(llama_dir), dtype=dtype).generate(prompts, params)]
+               for o in LLM(model=str(model_dir), dtype=dtype).generate(prompts, params)]
     assert with_ops == without
