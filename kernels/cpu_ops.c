@@ -4,12 +4,12 @@
  * on first use and calls it through ctypes.
  *
  * For bfloat16 each function rounds where torch's sequence of bfloat16 operations rounds,
- * so silu_mul gives torch's bits and rms_norm differs only where its float32 sum of
- * squares, added in another order (or, in Gemma's order, 1/sqrtf against torch's rsqrt),
- * lands on the other side of a bfloat16 rounding boundary (a few in a million elements,
- * by one unit in the last place). For float32 nothing is
- * rounded between steps, as in torch; the sum of squares' order and the exp polynomial
- * (vexp against torch's) differ in the last bits.
+ * so silu_mul gives torch's bits, and gelu_tanh_mul and rms_norm differ only where a float32
+ * value computed another way (gelu_tanh's form; the sum of squares' order; in Gemma's
+ * order, 1/sqrtf against torch's rsqrt) lands on the other side of a bfloat16 rounding
+ * boundary (a few in a million elements, by one unit in the last place). For float32
+ * nothing is rounded between steps, as in torch; the sum of squares' order, the exp
+ * polynomial (vexp against torch's) and gelu_tanh's form differ in the last bits.
  */
 #include <math.h>
 #include <stdint.h>
@@ -20,27 +20,55 @@
 /* Rows are walked 32 elements at a time as even and odd halves (load_bf16x2), with a last
  * 16 in order when n is an odd multiple of 16. */
 
-static inline f32x16 silu_rounded(f32x16 g) { return round_bf16(g / (1.0f + vexp(-g))); }
+static inline f32x16 silu(f32x16 g) { return g / (1.0f + vexp(-g)); }
 
-/* out = silu(gate) * up over [rows, n] (n a multiple of 16), as torch computes
- * F.silu(gate) * up in bfloat16: silu in float32, rounded, then the product, rounded.
- * Rows are *_stride elements apart; out may be gate. */
-void silu_mul_bf16(const uint16_t *gate, const uint16_t *up, uint16_t *out, int64_t rows,
-                   int64_t n, int64_t gate_stride, int64_t up_stride, int64_t out_stride) {
-    #pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *g = gate + r * gate_stride, *u = up + r * up_stride;
-        uint16_t *o = out + r * out_stride;
-        int64_t i = 0;
-        for (; i + 32 <= n; i += 32) {
-            f32x16 ge, go, ue, uo;
-            load_bf16x2(g + i, &ge, &go);
-            load_bf16x2(u + i, &ue, &uo);
-            store_bf16x2(o + i, silu_rounded(ge) * ue, silu_rounded(go) * uo);
-        }
-        if (i < n) store_bf16(o + i, silu_rounded(load_bf16(g + i)) * load_bf16(u + i));
-    }
+/* GELU with the tanh approximation, 0.5 g (1 + tanh(y)) with y = sqrt(2 / pi) (g + 0.044715
+ * g^3), in torch's order of operations. tanh(y) = sign(y) (1 - 2 / (exp(2|y|) + 1)), and
+ * exactly +-1 past |y| = 12.5 ln 2 as in torch's (SLEEF's) tanh: the negative tail then
+ * gives torch's -0 rather than a smaller-than-rounding remainder. */
+static inline f32x16 gelu_tanh(f32x16 g) {
+    const f32x16 y = 0.7978845608028654f * (g + 0.044715f * (g * g * g));
+    const i32x16 sign = (i32x16)y & (int32_t)0x80000000u;
+    const f32x16 a = (f32x16)((i32x16)y ^ sign);  /* |y| */
+    const i32x16 saturated = (i32x16)(a > 8.664339742f);
+    const f32x16 t = 1.0f - 2.0f / (vexp(a + a) + 1.0f);
+    const f32x16 t1 = (f32x16)(((i32x16)t & ~saturated) | ((i32x16)((f32x16){0} + 1.0f) & saturated));
+    return 0.5f * g * (1.0f + (f32x16)((i32x16)t1 | sign));
 }
+
+/* NAME_bf16: out = act(gate) * up over [rows, n] (n a multiple of 16), as torch computes
+ * F.act(gate) * up in bfloat16: the activation in float32, rounded, then the product,
+ * rounded (for SiLU, torch's bits). NAME_f32: the same in float32, in one pass. Rows are
+ * *_stride elements apart; out may be gate. */
+#define ACT_MUL(NAME, ACT)                                                                    \
+void NAME##_bf16(const uint16_t *gate, const uint16_t *up, uint16_t *out, int64_t rows,       \
+                 int64_t n, int64_t gate_stride, int64_t up_stride, int64_t out_stride) {     \
+    _Pragma("omp parallel for schedule(static)")                                              \
+    for (int64_t r = 0; r < rows; r++) {                                                      \
+        const uint16_t *g = gate + r * gate_stride, *u = up + r * up_stride;                  \
+        uint16_t *o = out + r * out_stride;                                                   \
+        int64_t i = 0;                                                                        \
+        for (; i + 32 <= n; i += 32) {                                                        \
+            f32x16 ge, go, ue, uo;                                                            \
+            load_bf16x2(g + i, &ge, &go);                                                     \
+            load_bf16x2(u + i, &ue, &uo);                                                     \
+            store_bf16x2(o + i, round_bf16(ACT(ge)) * ue, round_bf16(ACT(go)) * uo);          \
+        }                                                                                     \
+        if (i < n) store_bf16(o + i, round_bf16(ACT(load_bf16(g + i))) * load_bf16(u + i));   \
+    }                                                                                         \
+}                                                                                             \
+void NAME##_f32(const float *gate, const float *up, float *out, int64_t rows, int64_t n,      \
+                int64_t gate_stride, int64_t up_stride, int64_t out_stride) {                 \
+    _Pragma("omp parallel for schedule(static)")                                              \
+    for (int64_t r = 0; r < rows; r++) {                                                      \
+        const float *g = gate + r * gate_stride, *u = up + r * up_stride;                     \
+        float *o = out + r * out_stride;                                                      \
+        for (int64_t i = 0; i < n; i += 16)                                                   \
+            store_f32(o + i, ACT(load_f32(g + i)) * load_f32(u + i));                         \
+    }                                                                                         \
+}
+ACT_MUL(silu_mul, silu)
+ACT_MUL(gelu_tanh_mul, gelu_tanh)
 
 /* Row r of x lies at element (r / inner) * x_outer + (r % inner) * n, and of out at
  * (r / inner) * out_outer + (r % inner) * n: contiguous rows have inner == rows, and a
@@ -113,22 +141,8 @@ void rms_norm_bf16(const uint16_t *x, uint16_t *residual, const void *weight, ui
     }
 }
 
-/* The same two operations for float32: silu(gate) * up, and weight * (x / sqrt(mean(x^2) +
- * eps)) with the residual add before it and rows laid out as for bfloat16, each in one pass
- * (n a multiple of 16). */
-void silu_mul_f32(const float *gate, const float *up, float *out, int64_t rows, int64_t n,
-                  int64_t gate_stride, int64_t up_stride, int64_t out_stride) {
-    #pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *g = gate + r * gate_stride, *u = up + r * up_stride;
-        float *o = out + r * out_stride;
-        for (int64_t i = 0; i < n; i += 16) {
-            const f32x16 x = load_f32(g + i);
-            store_f32(o + i, x / (1.0f + vexp(-x)) * load_f32(u + i));
-        }
-    }
-}
-
+/* RMSNorm for float32: weight * (x / sqrt(mean(x^2) + eps)) with the residual add before it
+ * and rows laid out as for bfloat16, in one pass (n a multiple of 16). */
 void rms_norm_f32(const float *x, float *residual, const float *weight, float *out,
                   int64_t rows, int64_t n, int64_t inner, int64_t x_outer, int64_t out_outer,
                   float eps) {

@@ -25,9 +25,13 @@ class CpuOps:
     def __init__(self, path: Path):
         lib = ctypes.CDLL(str(path))
         p, i64 = ctypes.c_void_p, ctypes.c_int64
+        act_args = [p, p, p, i64, i64, i64, i64, i64]
         self._silu_mul = cpu_build.entry_points(
             lib, {torch.bfloat16: "silu_mul_bf16", torch.float32: "silu_mul_f32"},
-            [p, p, p, i64, i64, i64, i64, i64], None)
+            act_args, None)
+        self._gelu_tanh_mul = cpu_build.entry_points(
+            lib, {torch.bfloat16: "gelu_tanh_mul_bf16", torch.float32: "gelu_tanh_mul_f32"},
+            act_args, None)
         rms_args = [p, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float]
         self._rms_norm = {
             **cpu_build.entry_points(lib, {torch.bfloat16: "rms_norm_bf16"},
@@ -100,13 +104,19 @@ class CpuOps:
 
     def silu_mul_(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """gate = silu(gate) * up, in place; returns gate."""
+        return self._act_mul_(self._silu_mul, gate, up)
+
+    def gelu_tanh_mul_(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """gate = gelu(gate, approximate="tanh") * up, in place; returns gate."""
+        return self._act_mul_(self._gelu_tanh_mul, gate, up)
+
+    def _act_mul_(self, fns, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if not (self.handles(gate) and self.handles(up) and up.shape == gate.shape
                 and up.dtype == gate.dtype):
-            raise ValueError("cpu silu_mul: arguments out of contract")
+            raise ValueError("cpu activation x up: arguments out of contract")
         n = gate.shape[-1]
-        rows = gate.numel() // n
-        self._silu_mul[gate.dtype](gate.data_ptr(), up.data_ptr(), gate.data_ptr(), rows, n,
-                                   n, n, n)
+        fns[gate.dtype](gate.data_ptr(), up.data_ptr(), gate.data_ptr(), gate.numel() // n, n,
+                        n, n, n)
         return gate
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:

@@ -167,11 +167,12 @@ class MLP(nn.Module):
             weight = self.gate_up_proj.weight
             half = weight.shape[0] // 2
             gate, up = F.linear(x, weight[:half]), F.linear(x, weight[half:])
+        ops = cpu_ops.for_tensor(gate)
+        if ops is not None:  # in one pass, in place
+            act_mul_ = ops.silu_mul_ if self.act == "silu" else ops.gelu_tanh_mul_
+            return self.down_proj(act_mul_(gate, up))
         if self.act != "silu":
             return self.down_proj(F.gelu(gate, approximate="tanh").mul_(up))
-        ops = cpu_ops.for_tensor(gate)
-        if ops is not None:
-            return self.down_proj(ops.silu_mul_(gate, up))
         return self.down_proj(F.silu(gate).mul_(up))
 
 
