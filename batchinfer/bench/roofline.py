@@ -128,7 +128,7 @@ def weight_bytes_read_per_step(model: torch.nn.Module, shape: ModelShape,
     elem = experts = num_experts = top_k = 0
     for module in model.modules():
         if isinstance(module, SparseMoE):
-            experts += sum(p.numel() * p.element_size() for p in (module.w13, module.w2))
+            experts += module.expert_weight_bytes()
             num_experts, top_k = module.num_experts, module.top_k
     total -= experts
     for p in model.parameters():

@@ -97,14 +97,16 @@ def _rows_independent(gen: torch.Generator) -> bool:
 
 def packed_bytes(model: torch.nn.Module) -> int:
     """Bytes of the packed weights in model (they are not among its parameters)."""
-    total = 0
-    for module in model.modules():
-        for attr in ("packed", "packed_halves"):
-            value = getattr(module, attr, None)
-            for t in value if isinstance(value, tuple) else (value,):
-                if isinstance(t, torch.Tensor):
-                    total += t.numel() * t.element_size()
-    return total
+    def tensors(value):
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, tuple):
+            for item in value:
+                yield from tensors(item)
+
+    return sum(t.numel() * t.element_size() for module in model.modules()
+               for attr in ("packed", "packed_halves", "packed_experts")
+               for t in tensors(getattr(module, attr, None)))
 
 
 def pack_model(model: torch.nn.Module, dtype: torch.dtype, batch_hint: int) -> int:

@@ -10,7 +10,9 @@ dimension and the partial results are summed by one all-reduce per layer.
 On CUDA the experts run as two grouped Triton products (kernels/fused_moe.py) planned
 without host synchronisation, so decode steps are captured in CUDA graphs. Elsewhere a loop
 over the experts that received tokens runs; it reads the per-expert token counts on the
-host.
+host. On CPU each expert's weights are packed once for oneDNN (cpu_linear), which would
+otherwise reorder them on every product: an extra pass over weights that decode steps
+read only a few rows' worth of work from.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchinfer.model import cpu_linear
 from batchinfer.model.parallel import TensorParallel, _check_divisible, _shard
 
 # a checkpoint's per-expert tensor: (block).experts.(e).(projection).weight
@@ -53,6 +56,31 @@ class SparseMoE(nn.Module):
         self.loaded: set[tuple[int, str]] = set()
         # the grouped Triton products: on CUDA (None: decided by the device)
         self.use_fused: bool | None = None
+        # per expert, (w13, w2) in oneDNN's layout, once pack_weights() ran (CPU)
+        self.packed_experts: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
+
+    def pack_weights(self, batch_hint: int) -> None:
+        """Each expert's weights packed for products of about the rows it gets when
+        batch_hint tokens spread over the experts; only the packed copies are kept."""
+        if self.packed_experts is not None:
+            return
+        rows = max(1, batch_hint * self.top_k // self.num_experts)
+        self.packed_experts = tuple((cpu_linear.pack(self.w13[e], rows),
+                                     cpu_linear.pack(self.w2[e], rows))
+                                    for e in range(self.num_experts))
+        self.w13 = self.w2 = None
+
+    def expert_weight_bytes(self) -> int:
+        """Bytes of all experts' weights (as held: packed or not)."""
+        if self.packed_experts is not None:
+            return sum(t.numel() * t.element_size() for pair in self.packed_experts for t in pair)
+        return sum(p.numel() * p.element_size() for p in (self.w13, self.w2))
+
+    def _product(self, e: int, which: int, x: torch.Tensor) -> torch.Tensor:
+        """x times expert e's w13 (which 0) or w2 (which 1), transposed."""
+        if self.packed_experts is not None:
+            return cpu_linear.linear(x, self.packed_experts[e][which])
+        return F.linear(x, (self.w13, self.w2)[which][e])
 
     def load_expert(self, expert: int, projection: str, loaded: torch.Tensor) -> None:
         """One expert's gate_proj, up_proj or down_proj, as the checkpoint holds it."""
@@ -91,9 +119,9 @@ class SparseMoE(nn.Module):
         rows = x.index_select(0, tokens)
         ends = list(itertools.accumulate(counts))
         spans = [(e, end - n, end) for e, (n, end) in enumerate(zip(counts, ends)) if n]
-        gate_up = torch.cat([F.linear(rows[a:b], self.w13[e]) for e, a, b in spans])
+        gate_up = torch.cat([self._product(e, 0, rows[a:b]) for e, a, b in spans])
         h = F.silu(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:]
-        y = torch.cat([F.linear(h[a:b], self.w2[e]) for e, a, b in spans])
+        y = torch.cat([self._product(e, 1, h[a:b]) for e, a, b in spans])
         y = y * weights.flatten()[order, None]
         # rows in expert order: each token's choices are added in ascending expert order
         out = torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))

@@ -108,3 +108,42 @@ def test_engine_output_unchanged_by_packing(fixture, dtype, request, fresh_probe
     shape = ModelShape.from_config(plain.config)
     assert weight_bytes_read_per_step(model, shape, model.tie_word_embeddings).dense == \
         weight_bytes_read_per_step(plain, shape, plain.tie_word_embeddings).dense > 0
+
+
+@pytest.mark.parametrize("fixture", ["qwen3_moe_dir", "mixtral_dir"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_moe_experts_packed_output_unchanged(fixture, dtype, request, fresh_probe,
+                                             monkeypatch):
+    """Every expert's two products run on packed weights (only those are kept); the tokens
+    as with F.linear (bfloat16 exactly, float32 up to compare_greedy's near-ties), and the
+    bench's byte count sees the same expert bytes."""
+    if not cpu_linear.available(dtype):
+        pytest.skip(f"oneDNN packing of {dtype} is not used on this machine")
+    from batchinfer.model.moe import SparseMoE
+    model_dir = str(request.getfixturevalue(fixture))
+    prompts = ["The quick brown fox", "Batch inference on a CPU", "a b c d e f g"]
+    packed_llm = LLM(model=model_dir, dtype=str(dtype).removeprefix("torch."), device="cpu")
+    model = packed_llm.llm_engine.model_runner.model
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    assert blocks and all(b.packed_experts is not None and b.w13 is None and b.w2 is None
+                          and len(b.packed_experts) == b.num_experts for b in blocks)
+    packed_out = _greedy(packed_llm, prompts)
+
+    monkeypatch.setenv(cpu_linear.ENV_SWITCH, "0")
+    cpu_linear.available.cache_clear()
+    plain_llm = LLM(model=model_dir, dtype=str(dtype).removeprefix("torch."), device="cpu")
+    plain = plain_llm.llm_engine.model_runner.model
+    assert all(m.packed_experts is None for m in plain.modules() if isinstance(m, SparseMoE))
+    plain_out = _greedy(plain_llm, prompts)
+    if dtype == torch.bfloat16:
+        assert plain_out == packed_out
+    else:
+        result = checkpoints.compare_greedy(
+            [t for t, _ in packed_out], [t for t, _ in plain_out],
+            [top for _, top in packed_out], [top for _, top in plain_out])
+        assert result.ok, result.failures
+    shape = ModelShape.from_config(plain.config)
+    packed_bytes = weight_bytes_read_per_step(model, shape, model.tie_word_embeddings)
+    plain_bytes = weight_bytes_read_per_step(plain, shape, plain.tie_word_embeddings)
+    assert (packed_bytes.dense, packed_bytes.experts) == (plain_bytes.dense, plain_bytes.experts)
+    assert plain_bytes.experts > 0
