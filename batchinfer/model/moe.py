@@ -129,6 +129,10 @@ class SparseMoE(nn.Module):
 
     def fused(self, x: torch.Tensor) -> bool:
         if self.use_fused is not None:
+            if self.use_fused and self.packed_experts is not None:
+                raise RuntimeError(
+                    "the grouped MoE products need the experts' weights as loaded, and they "
+                    f"were packed for CPU products ({cpu_linear.ENV_SWITCH}=0 keeps them)")
             return self.use_fused
         return x.is_cuda and _triton_installed()
 

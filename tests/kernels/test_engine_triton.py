@@ -44,9 +44,15 @@ def test_greedy_generation_matches_torch_backend(model_dir):
 
 
 @pytest.mark.parametrize("model", ["mixtral", "qwen3_moe"])
-def test_moe_models_with_the_grouped_kernels_match_the_expert_loop(request, model):
-    """The fused MoE products (what CUDA runs), interpreted, give the expert loop's tokens."""
+def test_moe_models_with_the_grouped_kernels_match_the_expert_loop(request, monkeypatch, model):
+    """The fused MoE products (what CUDA runs), interpreted, give the expert loop's tokens.
+    (Both with the experts' weights as loaded: on CPU they are otherwise packed for oneDNN,
+    which only the loop can use.)"""
+    from batchinfer.model import cpu_linear
     from batchinfer.model.moe import SparseMoE
+    monkeypatch.setenv(cpu_linear.ENV_SWITCH, "0")
+    cpu_linear.available.cache_clear()
+    request.addfinalizer(cpu_linear.available.cache_clear)
     path = str(request.getfixturevalue(f"{model}_dir"))
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (5, 23, 40)]
