@@ -5,6 +5,8 @@ outputs) -> min_tokens suppression -> penalties ->
 greedy rows take argmax -> temperature -> min_p / top_k / top_p -> sample. Sampling draws
 exponential noise per row (argmax(p / q) is a sample from p); a seeded request draws its
 noise from its own generator, so its output does not depend on what shares the batch.
+On CPU a C kernel does temperature, the filters and the draw in a few passes per row with
+no sort (kernels/cpu_sample.py), from one seed per row drawn the same way.
 """
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from batchinfer.kernels import cpu_ops
+from batchinfer.kernels import cpu_ops, cpu_sample
+
+_SEED_BOUND = 2 ** 62  # per-row seeds for the CPU kernel are drawn below this
 
 
 @dataclass
@@ -89,6 +93,12 @@ class Sampler:
         temperature = batch.temperature
         greedy_rows = temperature < 1e-5
         greedy_tokens = greedy_argmax(logits)
+        kernel = cpu_sample.load() if (logits.device.type == "cpu"
+                                       and logits.dtype == torch.float32
+                                       and logits.dim() == 2 and logits.stride(1) == 1) else None
+        if kernel is not None:
+            tokens = kernel(logits, *self._kernel_params(logits.shape[0], batch))
+            return torch.where(greedy_rows | (tokens < 0), greedy_tokens, tokens)
         logits = logits / torch.where(greedy_rows, 1.0, temperature)[:, None]
         if batch.min_p is not None:
             probs = logits.softmax(dim=-1)
@@ -103,6 +113,23 @@ class Sampler:
             noise[row].exponential_(generator=gen)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(greedy_rows, greedy_tokens, sampled)
+
+    def _kernel_params(self, rows: int, batch: SamplingBatch) -> tuple[torch.Tensor, ...]:
+        """cpu_sample's per-row temperature (1 for greedy rows, which take argmax), top_k,
+        top_p, min_p, and a seed from the row's generator (the engine's unless seeded)."""
+        def per_row(value: torch.Tensor | None, off: float, dtype: torch.dtype) -> torch.Tensor:
+            if value is None:
+                return torch.full((rows,), off, dtype=dtype)
+            return value.to(dtype).contiguous()
+
+        temperature = batch.temperature.float()
+        temperature = torch.where(temperature < 1e-5, 1.0, temperature).contiguous()
+        seeds = torch.randint(_SEED_BOUND, (rows,), generator=self.generator)
+        for row, gen in (batch.generators or {}).items():
+            seeds[row] = torch.randint(_SEED_BOUND, (1,), generator=gen)
+        return (temperature, per_row(batch.top_k, 0, torch.int64),
+                per_row(batch.top_p, 1.0, torch.float32),
+                per_row(batch.min_p, 0.0, torch.float32), seeds)
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

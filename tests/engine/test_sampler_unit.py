@@ -8,11 +8,32 @@ import pytest
 import torch
 
 from batchinfer.engine.sampler import Sampler, SamplingBatch, greedy_argmax
-from batchinfer.kernels import cpu_ops
+from batchinfer.kernels import cpu_ops, cpu_sample
 
 N = 20_000  # samples per statistical check: 4 sigma of a frequency is below 0.015
 PROBS = torch.tensor([0.40, 0.25, 0.15, 0.10, 0.06, 0.04])
 LOGITS = PROBS.log() + 3.0  # any shift: softmax(LOGITS) == PROBS
+
+
+@pytest.fixture(autouse=True, params=["cpu kernel", "torch"])
+def sampling_path(request, monkeypatch):
+    """Every test twice: with the C sampling kernel (what CPUs run) and with torch's ops
+    (what GPUs run, and CPUs without a compiler)."""
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_sample, "load", lambda: None)
+    elif cpu_sample.load() is None:
+        pytest.skip("the C sampling kernel cannot be built here")
+    return request.param
+
+
+def test_the_cpu_kernel_draws_when_built(sampling_path, monkeypatch):
+    calls = []
+    loaded = cpu_sample.load()
+    if loaded is not None:
+        monkeypatch.setattr(cpu_sample, "load", lambda: lambda *args: calls.append(args)
+                            or loaded(*args))
+    sampler()(LOGITS.expand(10, -1).clone(), batch(10, top_p=0.9))
+    assert bool(calls) == (sampling_path == "cpu kernel")
 
 
 def sampler(seed: int = 0) -> Sampler:

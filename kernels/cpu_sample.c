@@ -1,0 +1,187 @@
+/* Random sampling from float32 logits for CPUs: temperature, min_p, top_k and top_p, one
+ * row per work item, without sorting the vocabulary and with one random stream per row.
+ * kernels/cpu_build.py compiles it on first use; kernels/cpu_sample.py checks the
+ * arguments and calls it through ctypes.
+ *
+ * A row's weights w = exp((z - max z) / T) are computed once into per-thread scratch (so
+ * the largest is 1). min_p keeps w >= min_p; top_k keeps w >= the k-th largest w (found by
+ * binning the weights by value and selecting within one bin; ties at the boundary are
+ * kept); the mass left is M. top_p is
+ * applied by rejection rather than by sorting: draw j with probability w_j / M among the
+ * kept tokens; j belongs to the top-p set exactly when the tokens strictly more likely
+ * than j hold less than top_p * M. If it does not, no token as unlikely as j does either,
+ * so they are dropped (the next draw is among w > w_j, whose mass that same pass
+ * measured) and j is drawn again. Conditioned on the set it ends in, every draw is
+ * proportional to w, so the result has exactly the distribution of sampling from the
+ * top-p set; a draw of a likely token is accepted at once, so a row takes about one or two
+ * passes beyond the exp pass.
+ *
+ * Each row's uniforms come from splitmix64 seeded by the caller (one 64-bit seed per row
+ * and step, drawn from the row's torch generator), so a row's result does not depend on
+ * the rest of the batch.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_vec.h"
+
+static inline uint64_t splitmix64(uint64_t *state) {
+    uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* a uniform double in [0, 1) with 53 random bits */
+static inline double uniform(uint64_t *state) {
+    return (double)(splitmix64(state) >> 11) * 0x1.0p-53;
+}
+
+/* the k-th largest (k >= 1) of a[0..n), reordering a: quickselect, median-of-three pivot */
+static float kth_largest(float *a, int64_t n, int64_t k) {
+    int64_t lo = 0, hi = n - 1, want = k - 1;
+    while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        float x = a[lo], y = a[mid], z = a[hi];
+        const float pivot = x > y ? (y > z ? y : (x > z ? z : x)) : (x > z ? x : (y > z ? z : y));
+        int64_t i = lo, j = hi;
+        while (i <= j) {  /* descending: [lo, j] >= pivot >= [i, hi] */
+            while (a[i] > pivot) i++;
+            while (a[j] < pivot) j--;
+            if (i <= j) {
+                const float t = a[i]; a[i] = a[j]; a[j] = t;
+                i++; j--;
+            }
+        }
+        if (want <= j) hi = j;
+        else if (want >= i) lo = i;
+        else return a[want];
+    }
+    return a[want];
+}
+
+/* The k-th largest of the weights w >= floor_w, w > 0 (0 when fewer than k are): their
+ * float bits' top 13 (exponent and 4 mantissa bits; w <= 1) bin them by value, the bin
+ * holding the k-th is found from the counts, and only that bin's weights are selected
+ * from (all of them would take a quickselect over the whole vocabulary). */
+#define TOP_K_BINS 2048
+static float top_k_floor(const float *w, int64_t n, float floor_w, int64_t k, float *tmp) {
+    int64_t hist[TOP_K_BINS] = {0}, count = 0;
+    for (int64_t j = 0; j < n; j++) {
+        if (!(w[j] >= floor_w && w[j] > 0.f)) continue;
+        uint32_t bits;
+        memcpy(&bits, &w[j], sizeof bits);
+        hist[bits >> 19]++;  /* <= 0x3f800000 >> 19 = 2032 */
+        count++;
+    }
+    if (count <= k) return 0.f;
+    int64_t above = 0, bin = TOP_K_BINS - 1;
+    while (above + hist[bin] < k) above += hist[bin--];
+    int64_t m = 0;
+    for (int64_t j = 0; j < n; j++) {
+        if (!(w[j] >= floor_w && w[j] > 0.f)) continue;
+        uint32_t bits;
+        memcpy(&bits, &w[j], sizeof bits);
+        if ((int64_t)(bits >> 19) == bin) tmp[m++] = w[j];
+    }
+    return kth_largest(tmp, m, k - above);
+}
+
+/* One row: the sampled token, or -1 when the row has no finite maximum (all -inf, a NaN,
+ * or +inf: the caller takes its greedy token). */
+static int64_t sample_row(const float *z, int64_t n, float temperature, int64_t top_k,
+                          float top_p, float min_p, uint64_t seed, float *w, float *tmp) {
+    f32x16 mv = (f32x16){0} - INFINITY;
+    i32x16 nan = {0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const f32x16 v = load_f32(z + i);
+        nan |= (i32x16)(v != v);
+        mv = vmax(mv, v);
+    }
+    float m = -INFINITY;
+    for (int l = 0; l < 16; l++) {
+        if (nan[l]) return -1;
+        if (mv[l] > m) m = mv[l];
+    }
+    for (; i < n; i++) {
+        if (z[i] != z[i]) return -1;
+        if (z[i] > m) m = z[i];
+    }
+    if (!(m > -INFINITY) || m == INFINITY) return -1;
+    /* weights; exp of anything below -87 is taken as 0 (vexp gives ~1e-38 there), so a
+     * masked (-inf) logit can never be drawn */
+    const float inv_t = 1.0f / temperature;
+    const f32x16 lo = (f32x16){0} - 87.0f;
+    for (i = 0; i + 16 <= n; i += 16) {
+        const f32x16 x = (load_f32(z + i) - m) * inv_t;
+        store_f32(w + i, (f32x16)((i32x16)vexp(x) & (i32x16)(x >= lo)));
+    }
+    for (; i < n; i++) {
+        const float x = (z[i] - m) * inv_t;
+        w[i] = x >= -87.0f ? expf(x) : 0.f;
+    }
+
+    float floor_w = min_p > 0.f ? min_p : 0.f;  /* kept: w >= floor_w (and w > 0) */
+    if (top_k > 0 && top_k < n) {
+        const float kth = top_k_floor(w, n, floor_w, top_k, tmp);
+        if (kth > floor_w) floor_w = kth;
+    }
+    double mass = 0.0;
+    for (int64_t j = 0; j < n; j++)
+        if (w[j] >= floor_w) mass += w[j];
+    const double keep = top_p < 1.f ? (double)top_p * mass : INFINITY;
+    uint64_t state = seed;
+    float above = 0.f;  /* candidates: w >= floor_w and w > above */
+    for (;;) {
+        /* draw j with probability w_j / mass among the candidates */
+        const double target = uniform(&state) * mass;
+        double acc = 0.0;
+        int64_t pick = -1, last = -1;
+        for (int64_t j = 0; j < n; j++) {
+            if (w[j] < floor_w || !(w[j] > above)) continue;  /* (w > 0 too) */
+            last = j;
+            acc += w[j];
+            if (acc > target) { pick = j; break; }
+        }
+        if (pick < 0) pick = last;  /* rounding left the target past the sum */
+        if (pick < 0) return -1;
+        if (keep == INFINITY) return pick;
+        /* the mass of the tokens strictly more likely than pick */
+        const float wp = w[pick];
+        double more = 0.0;
+        for (int64_t j = 0; j < n; j++)
+            if (w[j] > wp && w[j] >= floor_w) more += w[j];
+        if (more < keep) return pick;
+        above = wp;  /* pick is outside the top-p set, and so is everything as unlikely */
+        mass = more;
+    }
+}
+
+/* out[r] for each row r of logits [rows, n] (rows `stride` floats apart); per-row
+ * temperature (> 0), top_k (<= 0: off), top_p (>= 1: off), min_p (<= 0: off) and seed.
+ * Returns nonzero when scratch memory cannot be had (nothing written then). */
+int sample_f32(const float *logits, int64_t rows, int64_t n, int64_t stride,
+               const float *temperature, const int64_t *top_k, const float *top_p,
+               const float *min_p, const uint64_t *seeds, int64_t *out) {
+    int failed = 0;
+    #pragma omp parallel
+    {
+        float *w = malloc(2 * (size_t)n * sizeof(float));
+        if (!w) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp barrier
+        if (!failed) {
+            #pragma omp for schedule(dynamic, 1)
+            for (int64_t r = 0; r < rows; r++)
+                out[r] = sample_row(logits + r * stride, n, temperature[r], top_k[r], top_p[r],
+                                    min_p[r], seeds[r], w, w + n);
+        }
+        free(w);
+    }
+    return failed;
+}
