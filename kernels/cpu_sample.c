@@ -1,4 +1,4 @@
-/* Random sampling from float32 logits for CPUs: temperature, min_p, top_k and top_p, one
+/* Random sampling from float32 or bfloat16 logits for CPUs: temperature, min_p, top_k and top_p, one
  * row per work item, without sorting the vocabulary and with one random stream per row.
  * kernels/cpu_build.py compiles it on first use; kernels/cpu_sample.py checks the
  * arguments and calls it through ctypes.
@@ -89,15 +89,25 @@ static float top_k_floor(const float *w, int64_t n, float floor_w, int64_t k, fl
     return kth_largest(tmp, m, k - above);
 }
 
+/* element i of a float32 (bf16 == 0) or bfloat16 row, widened */
+static inline float load1(const void *z, int64_t i, int bf16) {
+    if (!bf16) return ((const float *)z)[i];
+    const uint32_t bits = (uint32_t)((const uint16_t *)z)[i] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
 /* One row: the sampled token, or -1 when the row has no finite maximum (all -inf, a NaN,
- * or +inf: the caller takes its greedy token). */
-static int64_t sample_row(const float *z, int64_t n, float temperature, int64_t top_k,
-                          float top_p, float min_p, uint64_t seed, float *w, float *tmp) {
+ * or +inf: the caller takes its greedy token). Inlined with a constant bf16. */
+static inline __attribute__((always_inline)) int64_t sample_row(
+        const void *z, int64_t n, int bf16, float temperature, int64_t top_k, float top_p,
+        float min_p, uint64_t seed, float *w, float *tmp) {
     f32x16 mv = (f32x16){0} - INFINITY;
     i32x16 nan = {0};
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
-        const f32x16 v = load_f32(z + i);
+        const f32x16 v = load16(z, i, bf16);
         nan |= (i32x16)(v != v);
         mv = vmax(mv, v);
     }
@@ -107,8 +117,9 @@ static int64_t sample_row(const float *z, int64_t n, float temperature, int64_t 
         if (mv[l] > m) m = mv[l];
     }
     for (; i < n; i++) {
-        if (z[i] != z[i]) return -1;
-        if (z[i] > m) m = z[i];
+        const float v = load1(z, i, bf16);
+        if (v != v) return -1;
+        if (v > m) m = v;
     }
     if (!(m > -INFINITY) || m == INFINITY) return -1;
     /* weights; exp of anything below -87 is taken as 0 (vexp gives ~1e-38 there), so a
@@ -116,11 +127,11 @@ static int64_t sample_row(const float *z, int64_t n, float temperature, int64_t 
     const float inv_t = 1.0f / temperature;
     const f32x16 lo = (f32x16){0} - 87.0f;
     for (i = 0; i + 16 <= n; i += 16) {
-        const f32x16 x = (load_f32(z + i) - m) * inv_t;
+        const f32x16 x = (load16(z, i, bf16) - m) * inv_t;
         store_f32(w + i, (f32x16)((i32x16)vexp(x) & (i32x16)(x >= lo)));
     }
     for (; i < n; i++) {
-        const float x = (z[i] - m) * inv_t;
+        const float x = (load1(z, i, bf16) - m) * inv_t;
         w[i] = x >= -87.0f ? expf(x) : 0.f;
     }
 
@@ -160,28 +171,32 @@ static int64_t sample_row(const float *z, int64_t n, float temperature, int64_t 
     }
 }
 
-/* out[r] for each row r of logits [rows, n] (rows `stride` floats apart); per-row
+/* out[r] for each row r of logits [rows, n] (rows `stride` elements apart); per-row
  * temperature (> 0), top_k (<= 0: off), top_p (>= 1: off), min_p (<= 0: off) and seed.
- * Returns nonzero when scratch memory cannot be had (nothing written then). */
-int sample_f32(const float *logits, int64_t rows, int64_t n, int64_t stride,
-               const float *temperature, const int64_t *top_k, const float *top_p,
-               const float *min_p, const uint64_t *seeds, int64_t *out) {
-    int failed = 0;
-    #pragma omp parallel
-    {
-        float *w = malloc(2 * (size_t)n * sizeof(float));
-        if (!w) {
-            #pragma omp atomic write
-            failed = 1;
-        }
-        #pragma omp barrier
-        if (!failed) {
-            #pragma omp for schedule(dynamic, 1)
-            for (int64_t r = 0; r < rows; r++)
-                out[r] = sample_row(logits + r * stride, n, temperature[r], top_k[r], top_p[r],
-                                    min_p[r], seeds[r], w, w + n);
-        }
-        free(w);
-    }
-    return failed;
+ * Returns nonzero when scratch memory cannot be had (nothing written then). One entry
+ * point per element type, each with its own parallel loop. */
+#define ENTRY(NAME, T, BF16)                                                                  \
+int NAME(const T *logits, int64_t rows, int64_t n, int64_t stride, const float *temperature, \
+         const int64_t *top_k, const float *top_p, const float *min_p, const uint64_t *seeds,  \
+         int64_t *out) {                                                                      \
+    int failed = 0;                                                                           \
+    _Pragma("omp parallel")                                                                   \
+    {                                                                                         \
+        float *w = malloc(2 * (size_t)n * sizeof(float));                                     \
+        if (!w) {                                                                             \
+            _Pragma("omp atomic write")                                                       \
+            failed = 1;                                                                       \
+        }                                                                                     \
+        _Pragma("omp barrier")                                                                \
+        if (!failed) {                                                                        \
+            _Pragma("omp for schedule(dynamic, 1)")                                           \
+            for (int64_t r = 0; r < rows; r++)                                                \
+                out[r] = sample_row(logits + r * stride, n, BF16, temperature[r], top_k[r],   \
+                                    top_p[r], min_p[r], seeds[r], w, w + n);                  \
+        }                                                                                     \
+        free(w);                                                                              \
+    }                                                                                         \
+    return failed;                                                                            \
 }
+ENTRY(sample_f32, float, 0)
+ENTRY(sample_bf16, uint16_t, 1)

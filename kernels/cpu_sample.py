@@ -1,4 +1,4 @@
-"""Random sampling from float32 logits on CPUs (cpu_sample.c), built by cpu_build.py and
+"""Random sampling from float32 or bfloat16 logits on CPUs (cpu_sample.c), built by cpu_build.py and
 called through ctypes.
 
 torch's way, dividing by the temperature, a softmax, exponential noise for every logit,
@@ -24,27 +24,29 @@ SOURCE = Path(__file__).with_name("cpu_sample.c")
 class CpuSample:
     def __init__(self, path: Path):
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        (self._fn,) = cpu_build.entry_points(
-            ctypes.CDLL(str(path)), {torch.float32: "sample_f32"},
-            [p, i64, i64, i64, p, p, p, p, p, p], ctypes.c_int).values()
+        self._fns = cpu_build.entry_points(
+            ctypes.CDLL(str(path)), {torch.float32: "sample_f32", torch.bfloat16: "sample_bf16"},
+            [p, i64, i64, i64, p, p, p, p, p, p], ctypes.c_int)
 
     def __call__(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                  top_p: torch.Tensor, min_p: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
-        """One token per row of float32 logits [rows, vocab] (rows may be strided), with
-        per-row temperature (> 0; float32), top_k (<= 0: off; int64), top_p (>= 1: off),
-        min_p (<= 0: off) and seed (int64); -1 for a row with no finite maximum logit."""
+        """One token per row of float32 or bfloat16 logits [rows, vocab] (rows may be
+        strided; bfloat16 is widened exactly, so the same values in either type draw the
+        same token), with per-row temperature (> 0; float32), top_k (<= 0: off; int64),
+        top_p (>= 1: off), min_p (<= 0: off) and seed (int64); -1 for a row with no finite
+        maximum logit."""
         rows, n = logits.shape if logits.dim() == 2 else (0, 0)
         params = (temperature, top_k, top_p, min_p, seeds)
         dtypes = (torch.float32, torch.int64, torch.float32, torch.float32, torch.int64)
-        if not (logits.dim() == 2 and logits.dtype == torch.float32
+        if not (logits.dim() == 2 and logits.dtype in self._fns
                 and logits.device.type == "cpu" and logits.stride(1) == 1 and n > 0
                 and all(t.shape == (rows,) and t.dtype == d and t.is_contiguous()
                         and t.device.type == "cpu" for t, d in zip(params, dtypes))
                 and bool((temperature > 0).all())):
             raise ValueError("cpu sample: arguments out of contract")
         out = torch.empty(rows, dtype=torch.int64)
-        if rows and self._fn(logits.data_ptr(), rows, n, logits.stride(0),
-                             *(t.data_ptr() for t in params), out.data_ptr()):
+        if rows and self._fns[logits.dtype](logits.data_ptr(), rows, n, logits.stride(0),
+                                            *(t.data_ptr() for t in params), out.data_ptr()):
             raise MemoryError("cpu sample: no scratch memory for a row's weights")
         return out
 

@@ -332,8 +332,9 @@ class ModelRunner:
         if len(sample_idx) < hidden.shape[0]:
             hidden = hidden[torch.from_numpy(qsl[sample_idx + 1] - 1).to(self.device)]
         batch = self._sampling_batch(sample_states)
-        # an argmax needs no float32 copy of the logits (the sampler takes any float type)
-        logits = self.model.compute_logits(hidden, float32=not batch.argmax_only)
+        # an argmax, or the CPU sampling kernel, needs no float32 copy of the logits
+        logits = self.model.compute_logits(
+            hidden, float32=not self.sampler.takes_model_dtype(batch, hidden.device))
         sampled = self.sampler(logits, batch)
         tokens = sampled.token_ids.tolist()
         for state, token in zip(sample_states, tokens):

@@ -46,7 +46,13 @@ class SamplingBatch:
     def argmax_only(self) -> bool:
         """Every row greedy with nothing else to apply: the logits may stay in the model's
         dtype."""
-        return (self.all_greedy and self.max_num_logprobs is None and self.blocked is None
+        return self.all_greedy and self.draws_only
+
+    @property
+    def draws_only(self) -> bool:
+        """Nothing to apply but temperature and the filters (no logprobs, blocked tokens,
+        penalties, constraints or biases)."""
+        return (self.max_num_logprobs is None and self.blocked is None
                 and self.repetition_penalty is None and self.allowed is None
                 and self.bias is None)
 
@@ -62,6 +68,14 @@ class SamplerOutput:
 class Sampler:
     def __init__(self, generator: torch.Generator | None = None):
         self.generator = generator
+
+    @staticmethod
+    def takes_model_dtype(batch: SamplingBatch, device: torch.device) -> bool:
+        """Whether this batch's logits may stay in the model's dtype (no float32 copy): an
+        argmax, or draws with nothing else to apply on a CPU with the sampling kernel,
+        which widens bfloat16 exactly itself."""
+        return batch.argmax_only or (batch.draws_only and device.type == "cpu"
+                                     and cpu_sample.load() is not None)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         raw_logprobs = None
@@ -94,12 +108,12 @@ class Sampler:
         greedy_rows = temperature < 1e-5
         greedy_tokens = greedy_argmax(logits)
         kernel = cpu_sample.load() if (logits.device.type == "cpu"
-                                       and logits.dtype == torch.float32
+                                       and logits.dtype in (torch.float32, torch.bfloat16)
                                        and logits.dim() == 2 and logits.stride(1) == 1) else None
         if kernel is not None:
             tokens = kernel(logits, *self._kernel_params(logits.shape[0], batch))
             return torch.where(greedy_rows | (tokens < 0), greedy_tokens, tokens)
-        logits = logits / torch.where(greedy_rows, 1.0, temperature)[:, None]
+        logits = logits.float() / torch.where(greedy_rows, 1.0, temperature)[:, None]
         if batch.min_p is not None:
             probs = logits.softmax(dim=-1)
             threshold = probs.amax(dim=-1, keepdim=True) * batch.min_p[:, None]
