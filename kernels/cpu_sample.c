@@ -1,20 +1,20 @@
-/* Random sampling from float32 or bfloat16 logits for CPUs: temperature, min_p, top_k and top_p, one
- * row per work item, without sorting the vocabulary and with one random stream per row.
- * kernels/cpu_build.py compiles it on first use; kernels/cpu_sample.py checks the
+/* Random sampling from float32 or bfloat16 logits for CPUs: temperature, min_p, top_k and
+ * top_p, one row per work item, without sorting the vocabulary and with one random stream
+ * per row. kernels/cpu_build.py compiles it on first use; kernels/cpu_sample.py checks the
  * arguments and calls it through ctypes.
  *
  * A row's weights w = exp((z - max z) / T) are computed once into per-thread scratch (so
- * the largest is 1). min_p keeps w >= min_p; top_k keeps w >= the k-th largest w (found by
- * binning the weights by value and selecting within one bin; ties at the boundary are
- * kept); the mass left is M. top_p is
- * applied by rejection rather than by sorting: draw j with probability w_j / M among the
- * kept tokens; j belongs to the top-p set exactly when the tokens strictly more likely
- * than j hold less than top_p * M. If it does not, no token as unlikely as j does either,
- * so they are dropped (the next draw is among w > w_j, whose mass that same pass
- * measured) and j is drawn again. Conditioned on the set it ends in, every draw is
- * proportional to w, so the result has exactly the distribution of sampling from the
- * top-p set; a draw of a likely token is accepted at once, so a row takes about one or two
- * passes beyond the exp pass.
+ * the largest is 1). min_p keeps w >= min_p; top_k keeps w >= the k-th largest w (ties at
+ * the boundary kept, as transformers' and vLLM's top_k do), found by binning the weights by
+ * value and selecting within one bin; the mass left is M. top_p orders the tokens by
+ * weight, ties by index (as a stable descending sort would), and keeps each token whose
+ * predecessors hold less than top_p * M. It is applied by rejection rather than by
+ * sorting: draw j with probability w_j / M among the kept tokens and measure j's
+ * predecessors; if they hold too much, j and every token after it are out, so the draw is
+ * repeated among j's predecessors alone (whose mass that same pass measured). Conditioned
+ * on the set it ends in, every draw is proportional to w, so the result has exactly the
+ * distribution of sampling from the top-p set; a likely token is accepted at once, so a row
+ * takes about one or two passes beyond the exp pass.
  *
  * Each row's uniforms come from splitmix64 seeded by the caller (one 64-bit seed per row
  * and step, drawn from the row's torch generator), so a row's result does not depend on
@@ -98,11 +98,18 @@ static inline float load1(const void *z, int64_t i, int bf16) {
     return f;
 }
 
-/* One row: the sampled token, or -1 when the row has no finite maximum (all -inf, a NaN,
- * or +inf: the caller takes its greedy token). Inlined with a constant bf16. */
+/* One row: the sampled token, or -1 for a greedy row (temperature <= 0) or one with no
+ * finite maximum (all -inf, a NaN, or +inf): the caller takes its greedy token. Inlined with
+ * a constant bf16. */
+/* token i of weight wi comes before token r of weight wr in top_p's order */
+static inline int before(float wi, int64_t i, float wr, int64_t r) {
+    return wi > wr || (wi == wr && i < r);
+}
+
 static inline __attribute__((always_inline)) int64_t sample_row(
         const void *z, int64_t n, int bf16, float temperature, int64_t top_k, float top_p,
         float min_p, uint64_t seed, float *w, float *tmp) {
+    if (!(temperature > 0.f)) return -1;
     f32x16 mv = (f32x16){0} - INFINITY;
     i32x16 nan = {0};
     int64_t i = 0;
@@ -130,9 +137,11 @@ static inline __attribute__((always_inline)) int64_t sample_row(
         const f32x16 x = (load16(z, i, bf16) - m) * inv_t;
         store_f32(w + i, (f32x16)((i32x16)vexp(x) & (i32x16)(x >= lo)));
     }
-    for (; i < n; i++) {
-        const float x = (load1(z, i, bf16) - m) * inv_t;
-        w[i] = x >= -87.0f ? expf(x) : 0.f;
+    if (i < n) {  /* the last n % 16 through vexp too, so equal logits get equal weights */
+        f32x16 x = (f32x16){0} - INFINITY;
+        for (int64_t l = 0; l < n - i; l++) x[l] = (load1(z, i + l, bf16) - m) * inv_t;
+        const f32x16 e = (f32x16)((i32x16)vexp(x) & (i32x16)(x >= lo));
+        for (int64_t l = 0; l < n - i; l++) w[i + l] = e[l];
     }
 
     float floor_w = min_p > 0.f ? min_p : 0.f;  /* kept: w >= floor_w (and w > 0) */
@@ -145,14 +154,17 @@ static inline __attribute__((always_inline)) int64_t sample_row(
         if (w[j] >= floor_w) mass += w[j];
     const double keep = top_p < 1.f ? (double)top_p * mass : INFINITY;
     uint64_t state = seed;
-    float above = 0.f;  /* candidates: w >= floor_w and w > above */
+    /* candidates: w >= floor_w, and before (end_w, end_i) in top_p's order (at first,
+     * every w > 0) */
+    float end_w = 0.f;
+    int64_t end_i = -1;
     for (;;) {
         /* draw j with probability w_j / mass among the candidates */
         const double target = uniform(&state) * mass;
         double acc = 0.0;
         int64_t pick = -1, last = -1;
         for (int64_t j = 0; j < n; j++) {
-            if (w[j] < floor_w || !(w[j] > above)) continue;  /* (w > 0 too) */
+            if (w[j] < floor_w || !before(w[j], j, end_w, end_i)) continue;
             last = j;
             acc += w[j];
             if (acc > target) { pick = j; break; }
@@ -160,19 +172,21 @@ static inline __attribute__((always_inline)) int64_t sample_row(
         if (pick < 0) pick = last;  /* rounding left the target past the sum */
         if (pick < 0) return -1;
         if (keep == INFINITY) return pick;
-        /* the mass of the tokens strictly more likely than pick */
+        /* the mass of pick's predecessors */
         const float wp = w[pick];
-        double more = 0.0;
+        double ahead = 0.0;
         for (int64_t j = 0; j < n; j++)
-            if (w[j] > wp && w[j] >= floor_w) more += w[j];
-        if (more < keep) return pick;
-        above = wp;  /* pick is outside the top-p set, and so is everything as unlikely */
-        mass = more;
+            if (w[j] >= floor_w && before(w[j], j, wp, pick)) ahead += w[j];
+        if (ahead < keep) return pick;
+        end_w = wp;  /* pick is outside the top-p set, and so is every token after it */
+        end_i = pick;
+        mass = ahead;
     }
 }
 
 /* out[r] for each row r of logits [rows, n] (rows `stride` elements apart); per-row
- * temperature (> 0), top_k (<= 0: off), top_p (>= 1: off), min_p (<= 0: off) and seed.
+ * temperature (<= 0: greedy), top_k (<= 0: off), top_p (>= 1: off), min_p (<= 0: off) and
+ * seed.
  * Returns nonzero when scratch memory cannot be had (nothing written then). One entry
  * point per element type, each with its own parallel loop. */
 #define ENTRY(NAME, T, BF16)                                                                  \

@@ -32,17 +32,16 @@ class CpuSample:
                  top_p: torch.Tensor, min_p: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
         """One token per row of float32 or bfloat16 logits [rows, vocab] (rows may be
         strided; bfloat16 is widened exactly, so the same values in either type draw the
-        same token), with per-row temperature (> 0; float32), top_k (<= 0: off; int64),
-        top_p (>= 1: off), min_p (<= 0: off) and seed (int64); -1 for a row with no finite
-        maximum logit."""
+        same token), with per-row temperature (float32), top_k (<= 0: off; int64), top_p
+        (>= 1: off), min_p (<= 0: off) and seed (int64). -1 for a greedy row (temperature
+        <= 0) and for one with no finite maximum logit: the caller takes its argmax."""
         rows, n = logits.shape if logits.dim() == 2 else (0, 0)
         params = (temperature, top_k, top_p, min_p, seeds)
         dtypes = (torch.float32, torch.int64, torch.float32, torch.float32, torch.int64)
         if not (logits.dim() == 2 and logits.dtype in self._fns
                 and logits.device.type == "cpu" and logits.stride(1) == 1 and n > 0
                 and all(t.shape == (rows,) and t.dtype == d and t.is_contiguous()
-                        and t.device.type == "cpu" for t, d in zip(params, dtypes))
-                and bool((temperature > 0).all())):
+                        and t.device.type == "cpu" for t, d in zip(params, dtypes))):
             raise ValueError("cpu sample: arguments out of contract")
         out = torch.empty(rows, dtype=torch.int64)
         if rows and self._fns[logits.dtype](logits.data_ptr(), rows, n, logits.stride(0),

@@ -111,8 +111,11 @@ class Sampler:
                                        and logits.dtype in (torch.float32, torch.bfloat16)
                                        and logits.dim() == 2 and logits.stride(1) == 1) else None
         if kernel is not None:
-            tokens = kernel(logits, *self._kernel_params(logits.shape[0], batch))
-            return torch.where(greedy_rows | (tokens < 0), greedy_tokens, tokens)
+            try:
+                tokens = kernel(logits, *self._kernel_params(logits.shape[0], batch))
+                return torch.where(greedy_rows | (tokens < 0), greedy_tokens, tokens)
+            except MemoryError:  # no scratch for a row's weights: torch's way below
+                pass
         logits = logits.float() / torch.where(greedy_rows, 1.0, temperature)[:, None]
         if batch.min_p is not None:
             probs = logits.softmax(dim=-1)
@@ -129,15 +132,16 @@ class Sampler:
         return torch.where(greedy_rows, greedy_tokens, sampled)
 
     def _kernel_params(self, rows: int, batch: SamplingBatch) -> tuple[torch.Tensor, ...]:
-        """cpu_sample's per-row temperature (1 for greedy rows, which take argmax), top_k,
-        top_p, min_p, and a seed from the row's generator (the engine's unless seeded)."""
+        """cpu_sample's per-row temperature (0 for greedy rows: the kernel leaves them to
+        argmax), top_k, top_p, min_p, and a seed from the row's generator (the engine's
+        unless seeded)."""
         def per_row(value: torch.Tensor | None, off: float, dtype: torch.dtype) -> torch.Tensor:
             if value is None:
                 return torch.full((rows,), off, dtype=dtype)
             return value.to(dtype).contiguous()
 
         temperature = batch.temperature.float()
-        temperature = torch.where(temperature < 1e-5, 1.0, temperature).contiguous()
+        temperature = torch.where(temperature < 1e-5, 0.0, temperature).contiguous()
         seeds = torch.randint(_SEED_BOUND, (rows,), generator=self.generator)
         for row, gen in (batch.generators or {}).items():
             seeds[row] = torch.randint(_SEED_BOUND, (1,), generator=gen)
@@ -227,14 +231,16 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
                  top_p: torch.Tensor | None) -> torch.Tensor:
-    """Keep each row's top_k largest logits and the smallest set whose probability
-    reaches top_p (always at least one token)."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    """Keep each row's top_k largest logits (and any tied with the k-th) and the smallest
+    set whose probability reaches top_p, ties taken in index order (always at least one
+    token)."""
+    # stable: ties in index order, the order top_p cuts them in (as the CPU kernel does)
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
     remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    if top_k is not None:
-        ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
-        k = torch.where(top_k > 0, top_k, logits.shape[-1])[:, None]
-        remove |= ranks >= k
+    if top_k is not None:  # every logit at least the k-th largest (ties kept)
+        k = torch.where(top_k > 0, top_k, logits.shape[-1]).clamp(max=logits.shape[-1])
+        kth = sorted_logits.gather(1, (k - 1)[:, None])
+        remove |= sorted_logits < kth
         sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     if top_p is not None:
         probs = sorted_logits.softmax(dim=-1)

@@ -101,6 +101,18 @@ def test_min_p_drops_tokens_below_a_fraction_of_the_best(min_p: float, keep: lis
     torch.testing.assert_close(frequencies(tokens, 6), expected(keep), atol=0.015, rtol=0)
 
 
+def test_ties_top_k_keeps_them_and_top_p_cuts_them_in_index_order():
+    """Both paths alike: top_k keeps every token tied with the k-th (as transformers and
+    vLLM do); top_p takes tied tokens in index order."""
+    probs = torch.tensor([0.4, 0.2, 0.2, 0.2])
+    tokens = sample_many(batch(N, top_k=2), probs.log())
+    assert set(tokens.tolist()) == {0, 1, 2, 3}
+    tokens = sample_many(batch(N, top_p=0.5), probs.log())
+    assert set(tokens.tolist()) == {0, 1}
+    torch.testing.assert_close(frequencies(tokens, 4), torch.tensor([2 / 3, 1 / 3, 0, 0]),
+                               atol=0.015, rtol=0)
+
+
 def test_top_p_applies_to_the_top_k_renormalised_distribution():
     """After top_k=3 the probabilities are 0.5, 0.3125, 0.1875; top_p=0.7 then keeps two
     (on the unfiltered distribution it would have kept three)."""

@@ -25,10 +25,12 @@ def exact(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
     if 0 < top_k < keep.sum():
         kth = probs[keep].sort(descending=True).values[top_k - 1]
         keep &= probs >= kth
-    if top_p < 1:
+    if top_p < 1:  # tokens by probability, ties by index: keep while those before < top_p
         kept = torch.where(keep, probs, 0.0)
-        more = torch.stack([kept[kept > p].sum() for p in kept])  # mass strictly above
-        keep &= more < top_p * kept.sum()
+        index = torch.arange(len(kept))
+        ahead = torch.stack([kept[(kept > p) | ((kept == p) & (index < i))].sum()
+                             for i, p in enumerate(kept)])
+        keep &= ahead < top_p * kept.sum()
     out = torch.where(keep, probs, 0.0)
     return out / out.sum()
 
@@ -69,6 +71,9 @@ def test_masked_tokens_are_never_drawn_and_degenerate_rows_defer(sample):
     tokens = sample(logits, torch.ones(n), torch.zeros(n, dtype=torch.int64), torch.ones(n),
                     torch.zeros(n), torch.arange(n))
     assert tokens[0] % 2 == 1 and tokens[1:].tolist() == [-1, -1, -1]
+    greedy = torch.tensor([0.0, 1.0, -1.0, 0.5])  # temperature <= 0: left to argmax
+    assert sample(logits, greedy, torch.zeros(n, dtype=torch.int64), torch.ones(n),
+                  torch.zeros(n), torch.arange(n)).tolist()[::2] == [-1, -1]
     odd = draw(sample, logits[0], n=5000)
     assert (odd % 2 == 1).all() and len(set(odd.tolist())) > 25
     far = torch.full((40,), -200.0)
@@ -80,6 +85,24 @@ def test_top_k_keeps_ties_at_its_boundary(sample):
     logits = torch.tensor([3.0, 2.0, 2.0, 2.0, 1.0, 0.0])
     tokens = draw(sample, logits, n=20_000, top_k=2)
     assert set(tokens.tolist()) == {0, 1, 2, 3}
+
+
+def test_top_p_takes_ties_in_index_order(sample):
+    """Probabilities 0.4, 0.2, 0.2, 0.2 (a tie of three, one of them first): top_p 0.5
+    keeps 0 and 1, exactly as a stable sort's cumulative sum does; the logits' last 16
+    elements (past the vector loop) tie with the first ones too."""
+    probs = torch.tensor([0.4, 0.2, 0.2, 0.2])
+    tokens = draw(sample, probs.log(), n=30_000, top_p=0.5)
+    assert set(tokens.tolist()) == {0, 1}
+    torch.testing.assert_close(torch.bincount(tokens).double() / 30_000,
+                               torch.tensor([2 / 3, 1 / 3], dtype=torch.float64),
+                               atol=0.015, rtol=0)
+    logits = torch.zeros(37)  # 32 in vector loops, 5 in the tail: all tied
+    logits[36] = 0.5
+    tokens = draw(sample, logits, n=30_000, top_k=2)
+    assert set(tokens.tolist()) == set(range(37))
+    tokens = draw(sample, logits, n=30_000, top_p=0.05)  # 36 holds 0.044: then 0, first
+    assert set(tokens.tolist()) == {0, 36}                # of the tie, and no other
 
 
 @pytest.mark.parametrize("top_k", [1, 37, 250])
@@ -120,7 +143,7 @@ def test_strided_rows_and_the_contract(sample):
     halves = every_other.bfloat16()  # widened exactly: the same draws as from float32
     assert torch.equal(sample(halves, ones, k, ones, zeros, seeds),
                        sample(halves.float(), ones, k, ones, zeros, seeds))
-    for bad in (dict(logits=every_other.half()), dict(temperature=zeros),
+    for bad in (dict(logits=every_other.half()), dict(temperature=zeros.double()),
                 dict(top_k=k.int()), dict(seeds=seeds[:2])):
         args = dict(logits=every_other, temperature=ones, top_k=k, top_p=ones, min_p=zeros,
                     seeds=seeds) | bad
