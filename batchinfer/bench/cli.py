@@ -122,6 +122,12 @@ DATASET_FLAGS = ("dataset_name", "dataset_path", "input_len", "output_len", "ran
 @click.option("--allow-pickle-weights", is_flag=True,
               help="Also load .bin (pickle) checkpoints, with weights_only=True.")
 @click.option("--seed", type=int, default=0)
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0,
+              help="Sample every request at this temperature (0: greedy), in our engine and "
+                   "in transformers alike.")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0)
+@click.option("--top-k", type=click.IntRange(min=0), default=0, help="0: off.")
+@click.option("--min-p", type=click.FloatRange(0, 1), default=0.0)
 @click.option("--baseline", type=click.Choice(["none", "hf"]), default="none",
               help="hf: the same prompts through transformers (static batching and, where "
                    "the installed version has it, continuous batching).")
@@ -150,8 +156,8 @@ DATASET_FLAGS = ("dataset_name", "dataset_path", "input_len", "output_len", "ran
 @click.option("--output-json", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.pass_context
 def bench(ctx: click.Context, **opts) -> None:
-    """Offline throughput benchmark: random token-id prompts, greedy, ignore_eos, fixed
-    output lengths; prints vLLM's Throughput line and a JSON summary."""
+    """Offline throughput benchmark: random token-id prompts, greedy (or --temperature),
+    ignore_eos, fixed output lengths; prints vLLM's Throughput line and a JSON summary."""
     if ctx.invoked_subcommand is not None:
         return
     from batchinfer.bench.runner import run_bench, run_overhead

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from batchinfer.bench.workloads import BenchRequest
+from batchinfer.bench.workloads import BenchRequest, Sampling
 from batchinfer.sampling_params import SamplingParams
 
 
@@ -76,13 +76,15 @@ _COUNTERS = ("prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "num_pree
              "num_prompt_tokens_computed")
 
 
-def run_workload(engine, requests: list[BenchRequest]) -> EngineRun:
-    """Run every request to completion; raise ValueError naming the first failed one."""
+def run_workload(engine, requests: list[BenchRequest],
+                 sampling: Sampling = Sampling()) -> EngineRun:
+    """Run every request to completion (greedy unless sampling says otherwise); raise
+    ValueError naming the first failed one."""
     before = engine.stats()
     arrival = time.monotonic()
     t0 = time.perf_counter()
     for i, r in enumerate(requests):
-        engine.add_request(f"bench-{i}", r.prompt_token_ids, _greedy(r.output_len),
+        engine.add_request(f"bench-{i}", r.prompt_token_ids, sampling.engine_params(r.output_len),
                            arrival_time=arrival)
     elapsed = time.perf_counter() - t0
     finished = {}

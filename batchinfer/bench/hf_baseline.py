@@ -1,12 +1,13 @@
 """The same prompts through transformers, in the same process, for a ratio to ours.
 
 Two ways users run transformers offline:
-  static  model.generate() on fixed batches, left-padded, greedy, every sequence forced to
+  static  model.generate() on fixed batches, left-padded, every sequence forced to
           exactly its batch's output length (min_new_tokens = max_new_tokens); the best of
           several batch sizes is reported.
   cb      transformers' own continuous batching (model.continuous_batching_context_manager,
           the machinery behind generate_batch) with per-request max_new_tokens and EOS off.
-Only generation is timed; each mode runs a small warm-up first.
+Both decode greedily, or sample with the run's settings (bench.workloads.Sampling). Only
+generation is timed; each mode runs a small warm-up first.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from batchinfer.bench.models import ModelSource
-from batchinfer.bench.workloads import BenchRequest
+from batchinfer.bench.workloads import BenchRequest, Sampling
 
 
 @dataclass
@@ -56,8 +57,9 @@ def _pad_id(model: torch.nn.Module) -> int:
 
 
 @torch.inference_mode()
-def _generate_batch(model: torch.nn.Module, batch: list[BenchRequest], pad_id: int) -> int:
-    """One left-padded greedy batch; returns the useful output tokens (each request's own
+def _generate_batch(model: torch.nn.Module, batch: list[BenchRequest], pad_id: int,
+                    sampling: Sampling) -> int:
+    """One left-padded batch; returns the useful output tokens (each request's own
     length, not the batch maximum it was padded to)."""
     from transformers import GenerationConfig
     device = model.device
@@ -69,8 +71,9 @@ def _generate_batch(model: torch.nn.Module, batch: list[BenchRequest], pad_id: i
         ids[row, width - n:] = torch.tensor(r.prompt_token_ids)
         mask[row, width - n:] = 1
     max_new = max(r.output_len for r in batch)
-    config = GenerationConfig(do_sample=False, max_new_tokens=max_new, min_new_tokens=max_new,
-                              pad_token_id=pad_id, eos_token_id=model.generation_config.eos_token_id)
+    config = GenerationConfig(**sampling.hf_generation_kwargs(), max_new_tokens=max_new,
+                              min_new_tokens=max_new, pad_token_id=pad_id,
+                              eos_token_id=model.generation_config.eos_token_id)
     out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
                          generation_config=config)
     if out.shape[1] != width + max_new:
@@ -79,16 +82,17 @@ def _generate_batch(model: torch.nn.Module, batch: list[BenchRequest], pad_id: i
     return sum(r.output_len for r in batch)
 
 
-def run_static(model: torch.nn.Module, requests: list[BenchRequest],
-               batch_sizes: list[int]) -> BaselineRun:
+def run_static(model: torch.nn.Module, requests: list[BenchRequest], batch_sizes: list[int],
+               sampling: Sampling = Sampling()) -> BaselineRun:
     """Static batching in workload order at each batch size; the fastest one is reported."""
     pad_id = _pad_id(model)
-    _generate_batch(model, [BenchRequest(requests[0].prompt_token_ids[:16], 2)] * 2, pad_id)
+    _generate_batch(model, [BenchRequest(requests[0].prompt_token_ids[:16], 2)] * 2, pad_id,
+                    sampling)
     per_size: dict[int, float] = {}
     for bs in sorted({min(b, len(requests)) for b in batch_sizes}):
         t0 = time.perf_counter()
         for start in range(0, len(requests), bs):
-            _generate_batch(model, requests[start:start + bs], pad_id)
+            _generate_batch(model, requests[start:start + bs], pad_id, sampling)
         per_size[bs] = time.perf_counter() - t0
     best = min(per_size, key=per_size.get)
     return BaselineRun("hf_static", per_size[best],
@@ -116,9 +120,10 @@ def _cb_config(requests: list[BenchRequest], max_num_seqs: int, max_batch_tokens
 
 @torch.no_grad()  # not inference_mode: transformers' CB thread updates tensors made here
 def _cb_session(model: torch.nn.Module, requests: list[BenchRequest], max_num_seqs: int,
-                max_batch_tokens: int) -> float:
+                max_batch_tokens: int, sampling: Sampling) -> float:
     from transformers import GenerationConfig
-    config = GenerationConfig(do_sample=False, max_new_tokens=max(r.output_len for r in requests),
+    config = GenerationConfig(**sampling.hf_generation_kwargs(),
+                              max_new_tokens=max(r.output_len for r in requests),
                               eos_token_id=-1, pad_token_id=_pad_id(model))
     cb_config = _cb_config(requests, max_num_seqs, max_batch_tokens)
     with model.continuous_batching_context_manager(generation_config=config,
@@ -150,10 +155,11 @@ def _cb_session(model: torch.nn.Module, requests: list[BenchRequest], max_num_se
 
 
 def run_continuous_batching(model: torch.nn.Module, requests: list[BenchRequest],
-                            max_num_seqs: int, max_batch_tokens: int) -> BaselineRun:
+                            max_num_seqs: int, max_batch_tokens: int,
+                            sampling: Sampling = Sampling()) -> BaselineRun:
     _cb_session(model, [BenchRequest(requests[0].prompt_token_ids[:16], 2)] * 2,
-                max_num_seqs, max_batch_tokens)
-    elapsed = _cb_session(model, requests, max_num_seqs, max_batch_tokens)
+                max_num_seqs, max_batch_tokens, sampling)
+    elapsed = _cb_session(model, requests, max_num_seqs, max_batch_tokens, sampling)
     return BaselineRun("hf_cb", elapsed, sum(len(r.prompt_token_ids) for r in requests),
                        sum(r.output_len for r in requests),
                        {"max_requests_per_batch": max_num_seqs,

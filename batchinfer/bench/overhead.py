@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from batchinfer.bench.engine_run import kv_occupancy
-from batchinfer.sampling_params import SamplingParams
+from batchinfer.bench.workloads import Sampling
 
 FILL_TOKEN_BUDGET = 65536
 
@@ -96,9 +96,10 @@ def _fill(engine) -> None:
 def measure_overhead(model_path: str, num_seqs: int, context_len: int, steps: int, *,
                      warmup_steps: int = 3, block_size: int = 16, dtype: str = "auto",
                      seed: int = 0, attention_backend: str = "auto",
-                     enable_prefix_caching: bool = True,
-                     device: str | None = None) -> OverheadResult:
-    """Per-step engine time with num_seqs sequences decoding at context_len tokens."""
+                     enable_prefix_caching: bool = True, device: str | None = None,
+                     sampling: Sampling = Sampling()) -> OverheadResult:
+    """Per-step engine time with num_seqs sequences decoding at context_len tokens
+    (greedy, or drawing as sampling says)."""
     from batchinfer.engine.engine import LLMEngine
     # A large token budget keeps the fill short, so that sequences whose prefill ends early
     # decode only a few tokens before the measurement starts. Each sequence generates at
@@ -122,7 +123,7 @@ def measure_overhead(model_path: str, num_seqs: int, context_len: int, steps: in
         # writes would claim, and which is no engine work)
         runner.kv_pages = None
         rng = np.random.default_rng(seed)
-        params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_new)
+        params = sampling.engine_params(max_new)
         for i in range(num_seqs):
             engine.add_request(f"overhead-{i}",
                                rng.integers(0, config.vocab_size, size=context_len).tolist(), params)

@@ -2,6 +2,7 @@
 the same with prefix caching off, and transformers), print and return the summary."""
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import platform
@@ -15,7 +16,7 @@ from batchinfer.bench.engine_run import run_workload, warm_up
 from batchinfer.bench.models import ModelSource, resolve_model
 from batchinfer.bench.overhead import measure_overhead
 from batchinfer.bench.roofline import ModelShape, device_peak, weight_bytes_read_per_step
-from batchinfer.bench.workloads import (WORKLOADS, BenchRequest, file_requests,
+from batchinfer.bench.workloads import (WORKLOADS, BenchRequest, Sampling, file_requests,
                                         prefix_repetition_requests, random_requests,
                                         workload_stats)
 from batchinfer.engine.host_memory import release_freed_memory
@@ -60,6 +61,10 @@ def build_requests(opts: dict, vocab_size: int, tokenize) -> tuple[str, list[Ben
                                  random_range_ratio=opts["random_range_ratio"], seed=opts["seed"])
 
 
+def _sampling(opts: dict) -> Sampling:
+    return Sampling(opts["temperature"], opts["top_p"], opts["top_k"], opts["min_p"])
+
+
 def _check_fits(requests: list[BenchRequest], max_model_len: int, kv_tokens: int) -> None:
     """kv_tokens: what the KV cache holds; the engine caps max_model_len at it."""
     longest = max(len(r.prompt_token_ids) + r.output_len for r in requests)
@@ -95,7 +100,7 @@ def _run_ours(source: ModelSource, opts: dict, enable_prefix_caching: bool,
                  "device": param.device, "shape": shape,
                  "max_model_len": engine.config.max_model_len}
         warm_up(engine, shape.vocab_size, opts["seed"])
-        run = run_workload(engine, requests)
+        run = run_workload(engine, requests, _sampling(opts))
         num_blocks = engine.stats().get("num_total_blocks")
         summary = report.engine_summary(
             run, block_size=opts["block_size"], num_kv_blocks=num_blocks, shape=shape,
@@ -152,12 +157,14 @@ def run_bench(opts: dict) -> dict:
     if opts["baseline"] == "hf":
         model = hf_baseline.load_hf_model(source, facts["dtype"], facts["device"], opts["seed"],
                                           trust_remote_code=opts["trust_remote_code"])
-        runs = [hf_baseline.run_static(model, requests, opts["hf_batch_sizes"])]
+        runs = [hf_baseline.run_static(model, requests, opts["hf_batch_sizes"],
+                                       _sampling(opts))]
         cb_error = None
         if hf_baseline.continuous_batching_available(model):
             try:
                 runs.append(hf_baseline.run_continuous_batching(
-                    model, requests, opts["max_num_seqs"], opts["max_num_batched_tokens"]))
+                    model, requests, opts["max_num_seqs"], opts["max_num_batched_tokens"],
+                    _sampling(opts)))
             except Exception as e:  # transformers' CB API moves between versions
                 cb_error = f"{type(e).__name__}: {e}"
                 click.echo(f"transformers continuous batching failed, left out: {cb_error}",
@@ -182,6 +189,7 @@ def run_bench(opts: dict) -> dict:
         "device_name": _device_name(facts["device"]),
         "torch_threads": torch.get_num_threads(),
         "workload": {"name": facts["workload"], **workload_stats(requests)},
+        "sampling": dataclasses.asdict(_sampling(opts)),
         "engine": {**_engine_kwargs(opts, opts["enable_prefix_caching"]),
                    "max_model_len": facts["max_model_len"]},
     })
@@ -203,7 +211,8 @@ def _repeat_runs(first: dict, source: ModelSource, opts: dict, requests: list[Be
     for _ in range(opts["num_runs"] - 1):
         ours.append(_run_ours(source, opts, opts["enable_prefix_caching"], requests)[0])
         if static:
-            again = hf_baseline.run_static(model, requests, [static["batch_size"]])
+            again = hf_baseline.run_static(model, requests, [static["batch_size"]],
+                                           _sampling(opts))
             static_s.append(again.elapsed_s)
     median = sorted(ours, key=lambda s: s["elapsed_time"])[len(ours) // 2]
     summary = {**first, **{k: v for k, v in median.items() if k in first}}
@@ -248,9 +257,11 @@ def run_overhead(opts: dict) -> dict:
             source.path, n, opts["context_len"], opts["stub_steps"],
             block_size=opts["block_size"], dtype=opts["dtype"], seed=opts["seed"],
             attention_backend=opts["attention_backend"],
-            enable_prefix_caching=opts["enable_prefix_caching"], device=opts["device"])
+            enable_prefix_caching=opts["enable_prefix_caching"], device=opts["device"],
+            sampling=_sampling(opts))
         click.echo(result.line())
         results.append(vars(result))
     return {"mode": "model-stub", "model": opts["model"], "model_path": source.path,
-            "torch_threads": torch.get_num_threads(), "overhead": results}
+            "torch_threads": torch.get_num_threads(),
+            "sampling": dataclasses.asdict(_sampling(opts)), "overhead": results}
 

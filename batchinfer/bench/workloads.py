@@ -30,6 +30,30 @@ class BenchRequest:
 
 
 @dataclass(frozen=True)
+class Sampling:
+    """How every request of a run picks its tokens: greedy (temperature 0) unless set;
+    top_k 0, top_p 1 and min_p 0 are off."""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+
+    def engine_params(self, output_len: int):
+        """Our engine's SamplingParams: exactly output_len tokens."""
+        from batchinfer.sampling_params import SamplingParams
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              min_p=self.min_p, max_tokens=output_len, ignore_eos=True)
+
+    def hf_generation_kwargs(self) -> dict:
+        """The same settings as transformers' GenerationConfig fields (its top_k is 50
+        unless set, so 0 is passed to turn it off)."""
+        if self.temperature == 0:
+            return {"do_sample": False}
+        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p,
+                "top_k": self.top_k, "min_p": self.min_p or None}
+
+
+@dataclass(frozen=True)
 class WorkloadPreset:
     """A named workload: the values it gives to the dataset flags."""
 

@@ -118,6 +118,49 @@ def test_num_runs_reports_the_median_run_and_ratio(cache_dir):
     assert summary["output_tokens"] == 16 and "Runs (3), output tokens/s: ours " in out
 
 
+def test_sampling_flags_reach_both_systems(cache_dir, monkeypatch):
+    """--temperature / --top-p / --top-k / --min-p: every request of ours samples with
+    them, transformers' generation configs are built from the same settings, and the
+    summary names them; without them both decode greedily."""
+    from batchinfer.bench.workloads import Sampling
+    from batchinfer.engine.engine import LLMEngine
+    params, hf_settings = [], []
+    add_request = LLMEngine.add_request
+    monkeypatch.setattr(LLMEngine, "add_request", lambda self, request_id, prompt, sampling,
+                        **kw: params.append((request_id, sampling))
+                        or add_request(self, request_id, prompt, sampling, **kw))
+    hf_kwargs = Sampling.hf_generation_kwargs
+    monkeypatch.setattr(Sampling, "hf_generation_kwargs",
+                        lambda self: hf_settings.append(self) or hf_kwargs(self))
+    _, summary = run_bench(cache_dir, "--num-prompts", "4", "--input-len", "16",
+                           "--output-len", "4", "--baseline", "hf", "--hf-batch-sizes", "4",
+                           "--temperature", "0.7", "--top-p", "0.9", "--top-k", "0")
+    assert summary["sampling"] == {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "min_p": 0.0}
+    ours = [p for rid, p in params if rid != "bench-warmup"]
+    assert len(ours) == 4 and all((p.temperature, p.top_p, p.top_k) == (0.7, 0.9, 0)
+                                  for p in ours)
+    assert len(hf_settings) >= 2 and set(hf_settings) == {Sampling(0.7, 0.9, 0, 0.0)}
+    assert summary["output_tokens"] == summary["baselines"]["hf_static"]["output_tokens"] == 16
+    params.clear()
+    hf_settings.clear()
+    _, summary = run_bench(cache_dir, "--num-prompts", "2", "--input-len", "16",
+                           "--output-len", "3", "--baseline", "hf", "--hf-batch-sizes", "2")
+    assert summary["sampling"]["temperature"] == 0.0
+    assert all(p.temperature == 0.0 for _, p in params)
+    assert hf_settings and set(hf_settings) == {Sampling()}
+
+
+def test_sampling_settings_as_transformers_takes_them():
+    from batchinfer.bench.workloads import Sampling
+    assert Sampling().hf_generation_kwargs() == {"do_sample": False}
+    assert Sampling(0.8, 0.95, 0, 0.05).hf_generation_kwargs() == {
+        "do_sample": True, "temperature": 0.8, "top_p": 0.95, "top_k": 0, "min_p": 0.05}
+    assert Sampling(1.0, 1.0, 20, 0.0).hf_generation_kwargs()["min_p"] is None
+    params = Sampling(0.8, 0.95, 20, 0.05).engine_params(7)
+    assert (params.temperature, params.top_p, params.top_k, params.min_p, params.max_tokens,
+            params.ignore_eos) == (0.8, 0.95, 20, 0.05, 7, True)
+
+
 def test_model_stub_reports_ms_per_step(cache_dir):
     threads = torch.get_num_threads()
     out, summary = run_bench(cache_dir, "--model-stub", "--num-seqs", "3,5",
@@ -183,6 +226,8 @@ def test_a_failed_request_is_a_usage_error(cache_dir, tmp_path):
     (["--workload", "shared-prefix", "--dataset-name", "random"], "drop --dataset-name"),
     (["--model-stub", "--baseline", "hf"], "drop --baseline"),
     (["--num-runs", "0"], "--num-runs"),
+    (["--top-p", "0"], "--top-p"),
+    (["--temperature", "-1"], "--temperature"),
     # a pool of 96 blocks caps max_model_len at 1536 tokens: the fix is a bigger pool
     (["--input-len", "1600", "--max-model-len", "2048"], "give the KV cache more room"),
     (["--input-len", "1600", "--max-model-len", "1024"], "raise --max-model-len"),
