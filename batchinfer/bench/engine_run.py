@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from batchinfer.bench.workloads import BenchRequest, Sampling
-from batchinfer.sampling_params import SamplingParams
 
 
 @dataclass
@@ -57,15 +56,12 @@ def kv_occupancy(engine) -> tuple[int, int, int, int]:
     return len(scheduler.running), context, held, len(seen)
 
 
-def _greedy(output_len: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-
-
 def warm_up(engine, vocab_size: int, seed: int) -> None:
     """One short request through prefill and a few decodes; ids drawn apart from the
     workload's so the prefix cache gains nothing from it."""
     rng = np.random.default_rng(seed + 7919)
-    engine.add_request("bench-warmup", rng.integers(0, vocab_size, size=24).tolist(), _greedy(4))
+    engine.add_request("bench-warmup", rng.integers(0, vocab_size, size=24).tolist(),
+                       Sampling().engine_params(4))
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.error:
