@@ -184,14 +184,6 @@ static inline __attribute__((always_inline)) void load32(
     }
 }
 
-static inline float element(const void *row, int64_t i, int bf16) {
-    if (!bf16) return ((const float *)row)[i];
-    const uint32_t w = (uint32_t)((const uint16_t *)row)[i] << 16;
-    float v;
-    memcpy(&v, &w, sizeof v);
-    return v;
-}
-
 /* out[r] = the index of the first maximum of row r of [rows, n] (rows stride elements
  * apart), as torch.argmax: a NaN counts as larger than any number, so the first NaN wins.
  * Rows are read 32 elements at a time (load32); each lane keeps its first maximum (only a
@@ -228,12 +220,12 @@ static inline __attribute__((always_inline)) void argmax_rows(
                 best = best_b[k], at = at_b[k];
         }
         for (int64_t i = n32; i < n; i++) {  /* the tail, after every earlier index */
-            const float v = element(row, i, bf16);
+            const float v = load1(row, i, bf16);
             any_nan |= v != v;
             if (v > best) best = v, at = i;
         }
         if (any_nan)  /* the first NaN */
-            for (at = 0; at < n && element(row, at, bf16) == element(row, at, bf16); at++) {}
+            for (at = 0; at < n && load1(row, at, bf16) == load1(row, at, bf16); at++) {}
         out[r] = at == n ? 0 : at;  /* n: every value is -inf */
     }
 }

@@ -89,15 +89,6 @@ static float top_k_floor(const float *w, int64_t n, float floor_w, int64_t k, fl
     return kth_largest(tmp, m, k - above);
 }
 
-/* element i of a float32 (bf16 == 0) or bfloat16 row, widened */
-static inline float load1(const void *z, int64_t i, int bf16) {
-    if (!bf16) return ((const float *)z)[i];
-    const uint32_t bits = (uint32_t)((const uint16_t *)z)[i] << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 /* One row: the sampled token, or -1 for a greedy row (temperature <= 0) or one with no
  * finite maximum (all -inf, a NaN, or +inf): the caller takes its greedy token. Inlined with
  * a constant bf16. */

@@ -44,6 +44,15 @@ static inline __attribute__((always_inline)) f32x16 load16(const void *base, int
                                                           int bf16) {
     return bf16 ? load_bf16((const uint16_t *)base + i) : load_f32((const float *)base + i);
 }
+/* element i of a float32 (bf16 == 0) or bfloat16 (bf16 == 1) array, widened */
+static inline __attribute__((always_inline)) float load1(const void *base, int64_t i,
+                                                         int bf16) {
+    if (!bf16) return ((const float *)base)[i];
+    const uint32_t bits = (uint32_t)((const uint16_t *)base)[i] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
 static inline __attribute__((always_inline)) void store16(void *base, int64_t i, f32x16 v,
                                                          int bf16) {
     if (bf16) store_bf16((uint16_t *)base + i, v);
