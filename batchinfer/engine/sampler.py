@@ -6,7 +6,8 @@ greedy rows take argmax -> temperature -> min_p / top_k / top_p -> sample. Sampl
 exponential noise per row (argmax(p / q) is a sample from p); a seeded request draws its
 noise from its own generator, so its output does not depend on what shares the batch.
 On CPU a C kernel does temperature, the filters and the draw in a few passes per row with
-no sort (kernels/cpu_sample.py), from one seed per row drawn the same way.
+no sort (kernels/cpu_sample.py), from one seed per row drawn the same way, and another the
+logprobs without writing the whole log-softmax (kernels/cpu_logprobs.py).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchinfer.kernels import cpu_ops, cpu_sample
+from batchinfer.kernels import cpu_logprobs, cpu_ops, cpu_sample
 
 _SEED_BOUND = 2 ** 62  # per-row seeds for the CPU kernel are drawn below this
 
@@ -52,9 +53,13 @@ class SamplingBatch:
     def draws_only(self) -> bool:
         """Nothing to apply but temperature and the filters (no logprobs, blocked tokens,
         penalties, constraints or biases)."""
-        return (self.max_num_logprobs is None and self.blocked is None
-                and self.repetition_penalty is None and self.allowed is None
-                and self.bias is None)
+        return self.max_num_logprobs is None and self.draws_only_but_logprobs
+
+    @property
+    def draws_only_but_logprobs(self) -> bool:
+        """draws_only, logprobs aside: nothing changes the logits before the draw."""
+        return (self.blocked is None and self.repetition_penalty is None
+                and self.allowed is None and self.bias is None)
 
 
 @dataclass
@@ -72,15 +77,19 @@ class Sampler:
     @staticmethod
     def takes_model_dtype(batch: SamplingBatch, device: torch.device) -> bool:
         """Whether this batch's logits may stay in the model's dtype (no float32 copy): an
-        argmax, or draws with nothing else to apply on a CPU with the sampling kernel,
-        which widens bfloat16 exactly itself."""
-        return batch.argmax_only or (batch.draws_only and device.type == "cpu"
-                                     and cpu_sample.load() is not None)
+        argmax, or draws and logprobs with nothing else to apply on a CPU with the sampling
+        and logprobs kernels, which widen bfloat16 exactly themselves."""
+        if batch.argmax_only:
+            return True
+        if device.type != "cpu" or not batch.draws_only_but_logprobs:
+            return False
+        k = batch.max_num_logprobs
+        logprobs_kernel = cpu_logprobs.load() if k is not None else None
+        return ((batch.all_greedy or cpu_sample.load() is not None)
+                and (k is None or (logprobs_kernel is not None and k <= logprobs_kernel.max_k)))
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        raw_logprobs = None
-        if batch.max_num_logprobs is not None:
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        raw = logits  # logprobs are of the logits as the model gave them (never modified here)
         if batch.allowed is not None or batch.bias is not None:
             logits = _constrain(logits, batch.allowed, batch.bias)
         if batch.blocked is not None:
@@ -93,14 +102,9 @@ class Sampler:
         else:
             tokens = self._sample(logits, batch)
         out = SamplerOutput(tokens)
-        if raw_logprobs is not None:
-            k = batch.max_num_logprobs
-            top_values, top_ids = raw_logprobs.topk(k, dim=-1) if k else (
-                raw_logprobs[:, :0], tokens[:, None][:, :0])
-            chosen = raw_logprobs.gather(1, tokens[:, None])
-            out.logprob_ids = top_ids
-            out.logprob_values = torch.cat([top_values, chosen], dim=1)
-            out.sampled_ranks = (raw_logprobs > chosen).sum(dim=1) + 1
+        if batch.max_num_logprobs is not None:
+            out.logprob_ids, out.logprob_values, out.sampled_ranks = logprobs(
+                raw, batch.max_num_logprobs, tokens)
         return out
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -171,6 +175,30 @@ class Sampler:
         logits = logits - batch.frequency_penalty[:, None] * output_counts
         logits = logits - batch.presence_penalty[:, None] * (output_counts > 0).to(logits.dtype)
         return logits
+
+
+def logprobs(logits: torch.Tensor, k: int, tokens: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(top-k ids [N, k], values [N, k + 1]: the top k of each row's log-softmax and then
+    tokens' own, ranks of tokens [N], 1 = largest) of logits [N, V]. On CPU the C kernel's
+    where it applies; a row it leaves (no finite maximum) and every other case in torch,
+    on float32."""
+    kernel = cpu_logprobs.load() if logits.device.type == "cpu" else None
+    if kernel is None or not kernel.supports(logits, k):
+        return _torch_logprobs(logits, k, tokens)
+    ids, values, ranks, bad = kernel(logits, k, tokens.contiguous())
+    if bad.any():
+        rows = bad.nonzero().squeeze(1)
+        ids[rows], values[rows], ranks[rows] = _torch_logprobs(logits[rows], k, tokens[rows])
+    return ids, values, ranks
+
+
+def _torch_logprobs(logits: torch.Tensor, k: int, tokens: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    top_values, top_ids = raw.topk(k, dim=-1) if k else (raw[:, :0], tokens[:, None][:, :0])
+    chosen = raw.gather(1, tokens[:, None])
+    return top_ids, torch.cat([top_values, chosen], dim=1), (raw > chosen).sum(dim=1) + 1
 
 
 def _constrain(logits: torch.Tensor, allowed, bias) -> torch.Tensor:

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from batchinfer.engine.sampler import Sampler, SamplingBatch, greedy_argmax
-from batchinfer.kernels import cpu_ops, cpu_sample
+from batchinfer.engine.sampler import Sampler, SamplingBatch, greedy_argmax, logprobs
+from batchinfer.kernels import cpu_logprobs, cpu_ops, cpu_sample
 
 N = 20_000  # samples per statistical check: 4 sigma of a frequency is below 0.015
 PROBS = torch.tensor([0.40, 0.25, 0.15, 0.10, 0.06, 0.04])
@@ -17,12 +17,13 @@ LOGITS = PROBS.log() + 3.0  # any shift: softmax(LOGITS) == PROBS
 
 @pytest.fixture(autouse=True, params=["cpu kernel", "torch"])
 def sampling_path(request, monkeypatch):
-    """Every test twice: with the C sampling kernel (what CPUs run) and with torch's ops
-    (what GPUs run, and CPUs without a compiler)."""
+    """Every test twice: with the C sampling and logprobs kernels (what CPUs run) and with
+    torch's ops (what GPUs run, and CPUs without a compiler)."""
     if request.param == "torch":
         monkeypatch.setattr(cpu_sample, "load", lambda: None)
-    elif cpu_sample.load() is None:
-        pytest.skip("the C sampling kernel cannot be built here")
+        monkeypatch.setattr(cpu_logprobs, "load", lambda: None)
+    elif cpu_sample.load() is None or cpu_logprobs.load() is None:
+        pytest.skip("the C sampling kernels cannot be built here")
     return request.param
 
 
@@ -264,6 +265,20 @@ def test_zero_logprobs_returns_only_the_sampled_token():
     assert out.logprob_values[0, 0].item() == pytest.approx(
         2.0 - math.log(math.exp(0.5) + math.exp(2.0) + math.exp(1.0)), abs=1e-6)
     assert out.sampled_ranks.tolist() == [1]
+
+
+@pytest.mark.parametrize("k", [3, 100])  # 100: past the C kernel's largest k, torch's way
+def test_logprobs_rows_without_a_finite_maximum_and_large_k_come_from_torch(k):
+    from batchinfer.engine.sampler import _torch_logprobs
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(k))
+    logits[2, 5] = float("nan")
+    logits[3, :] = float("-inf")
+    tokens = torch.tensor([0, 1, 2, 3])
+    got = logprobs(logits, k, tokens)
+    want = _torch_logprobs(logits, k, tokens)
+    assert torch.equal(got[0][:2], want[0][:2]) and torch.equal(got[2], want[2])
+    torch.testing.assert_close(got[1], want[1], equal_nan=True, atol=2e-6, rtol=0)
+    assert got[1][2].isnan().all()
 
 
 def test_no_logprobs_unless_asked():
