@@ -7,6 +7,7 @@ import numbers
 from tqdm.auto import tqdm
 
 from batchinfer.engine.engine import LLMEngine
+from batchinfer.engine.gc_freeze import startup_heap_frozen
 from batchinfer.outputs import RequestOutput
 from batchinfer.sampling_params import SamplingParams
 
@@ -65,7 +66,7 @@ class LLM:
         engine = self.llm_engine
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
-        with bar:
+        with bar, startup_heap_frozen():
             try:
                 while engine.has_unfinished_requests():
                     for out in engine.step():

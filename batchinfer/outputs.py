@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-@dataclass
+@dataclass(slots=True)  # millions of them in a run with logprobs: no per-object __dict__
 class Logprob:
     logprob: float
     rank: int | None = None

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from batchinfer.bench.workloads import BenchRequest, Sampling
+from batchinfer.engine.gc_freeze import startup_heap_frozen
 
 
 @dataclass
@@ -86,18 +87,19 @@ def run_workload(engine, requests: list[BenchRequest],
     finished = {}
     steps: list[StepSample] = []
     computed = before.get("num_prompt_tokens_computed", 0)
-    while engine.has_unfinished_requests():
-        t0 = time.perf_counter()
-        outs = engine.step()
-        dt = time.perf_counter() - t0
-        elapsed += dt
-        for out in outs:
-            if out.error:
-                raise ValueError(f"request {out.request_id} failed: {out.error}")
-            finished[out.request_id] = out
-        now = engine.stats().get("num_prompt_tokens_computed", 0)
-        steps.append(StepSample(dt, now - computed, *kv_occupancy(engine)))
-        computed = now
+    with startup_heap_frozen():  # as `batchinfer run` and LLM.generate run
+        while engine.has_unfinished_requests():
+            t0 = time.perf_counter()
+            outs = engine.step()
+            dt = time.perf_counter() - t0
+            elapsed += dt
+            for out in outs:
+                if out.error:
+                    raise ValueError(f"request {out.request_id} failed: {out.error}")
+                finished[out.request_id] = out
+            now = engine.stats().get("num_prompt_tokens_computed", 0)
+            steps.append(StepSample(dt, now - computed, *kv_occupancy(engine)))
+            computed = now
     after = engine.stats()
     delta = {k: after[k] - before[k] for k in _COUNTERS if k in after and k in before}
 

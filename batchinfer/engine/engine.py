@@ -382,15 +382,21 @@ class LLMEngine:
 
     def _record_logprobs(self, req: Request, token: int, entry) -> None:
         top_ids, values, rank = entry
-        k = req.params.logprobs
-        # the sampled token first, then the top k by rank (it is one of them or not), as vLLM
-        record = {token: Logprob(values[-1], rank)}
-        for r, (tid, v) in enumerate(zip(top_ids[:k], values[:k])):
-            record.setdefault(tid, Logprob(v, r + 1))
-        for tid, lp in record.items():
-            lp.decoded_token = self._token_text(tid)
-        req.logprobs.append(record)
+        req.logprobs.append(self._logprob_record(token, top_ids, values, rank,
+                                                 req.params.logprobs))
         req.cumulative_logprob += values[-1]
+
+    def _logprob_record(self, token: int, top_ids: list[int], values: list[float], rank: int,
+                        k: int) -> dict[int, Logprob]:
+        """The token first, then the top k by rank (it is one of them or not), as vLLM;
+        values holds the top k's and then the token's."""
+        text = self._token_text
+        record = {token: Logprob(values[-1], rank, text(token))}
+        for r in range(k):
+            tid = top_ids[r]
+            if tid not in record:
+                record[tid] = Logprob(values[r], r + 1, text(tid))
+        return record
 
     def _token_text(self, token: int) -> str:
         """One token decoded alone (the text logprobs report), cached per token id."""
@@ -406,12 +412,8 @@ class LLMEngine:
         for offset, (top_ids, values, rank) in enumerate(rows):
             position = first + offset
             token = req.token_ids[position]
-            record = {token: Logprob(values[-1], rank)}
-            for r, (tid, v) in enumerate(zip(top_ids[:k], values[:k])):
-                record.setdefault(tid, Logprob(v, r + 1))
-            for tid, lp in record.items():
-                lp.decoded_token = self._token_text(tid)
-            req.prompt_logprobs[position] = record  # a recomputed chunk writes the same
+            # a recomputed chunk writes the same
+            req.prompt_logprobs[position] = self._logprob_record(token, top_ids, values, rank, k)
 
     def _finish_child(self, req: Request) -> RequestOutput | None:
         parent = self.parents[req.parent_id]

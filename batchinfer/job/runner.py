@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from batchinfer.engine.gc_freeze import startup_heap_frozen
 from batchinfer.job.data_parallel import DP_CHILD
 from batchinfer.job.errors import JobError
 from batchinfer.job.manifest import Manifest, OutputDir, fingerprint, now_iso
@@ -250,6 +251,10 @@ class _Loop:
         self.finished: list[list[dict[str, Any]]] = []  # output rows of rows just finished
 
     def run(self, stop: StopSignals) -> bool:
+        with startup_heap_frozen():
+            return self._run(stop)
+
+    def _run(self, stop: StopSignals) -> bool:
         try:
             while not stop.requested:
                 self.fill()
