@@ -15,7 +15,7 @@ from batchinfer.config import EngineConfig
 from batchinfer.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from batchinfer.engine.host_memory import KVPagePopulator, keep_freed_memory
 from batchinfer.engine.regex_guide import RegexMatcher
-from batchinfer.engine.sampler import Sampler, SamplingBatch
+from batchinfer.engine.sampler import Sampler, SamplingBatch, logprobs
 from batchinfer.engine.scheduler import SchedulerOutput
 from batchinfer.model import cpu_linear
 from batchinfer.model.loader import load_model
@@ -370,13 +370,9 @@ class ModelRunner:
                 b = min(a + self.PROMPT_LOGPROB_ROWS, end)
                 first_row = int(qsl[i]) + a - start
                 logits = self.model.compute_logits(hidden[first_row:first_row + b - a])
-                logprobs = torch.log_softmax(logits, dim=-1)
                 targets = torch.tensor(state.token_ids[a + 1:b + 1], device=logits.device)
-                chosen = logprobs.gather(1, targets[:, None])
-                ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
-                top_values, top_ids = logprobs.topk(k, dim=-1)
-                values = torch.cat([top_values, chosen], dim=1).tolist()
-                rows += list(zip(top_ids.tolist(), values, ranks))
+                top_ids, values, ranks = logprobs(logits, k, targets)
+                rows += list(zip(top_ids.tolist(), values.tolist(), ranks.tolist()))
             out[order[i]] = (start + 1, rows)
         return out
 
