@@ -17,7 +17,11 @@ from collections.abc import Iterator
 
 @contextlib.contextmanager
 def startup_heap_frozen() -> Iterator[None]:
-    """Within the block, the collector leaves alone every object that existed before it."""
+    """Within the block, the collector leaves alone every object that existed before it.
+    A heap the application froze itself is left as it is, frozen, on the way out too."""
+    if gc.get_freeze_count():
+        yield
+        return
     gc.freeze()
     try:
         yield

@@ -186,7 +186,7 @@ def logprobs(logits: torch.Tensor, k: int, tokens: torch.Tensor
     kernel = cpu_logprobs.load() if logits.device.type == "cpu" else None
     if kernel is None or not kernel.supports(logits, k):
         return _torch_logprobs(logits, k, tokens)
-    ids, values, ranks, bad = kernel(logits, k, tokens.contiguous())
+    ids, values, ranks, bad = kernel(logits, k, tokens.to(torch.int64).contiguous())
     if bad.any():
         rows = bad.nonzero().squeeze(1)
         ids[rows], values[rows], ranks[rows] = _torch_logprobs(logits[rows], k, tokens[rows])

@@ -18,6 +18,17 @@ def test_the_heap_is_frozen_within_the_block_and_given_back_after_an_error():
     assert gc.get_freeze_count() == 0
 
 
+def test_a_heap_the_application_froze_stays_frozen():
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with startup_heap_frozen():
+            assert gc.get_freeze_count() == frozen
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+
+
 def test_generate_steps_with_the_startup_heap_frozen(llama_dir, monkeypatch):
     from batchinfer import LLM, SamplingParams
     llm = LLM(model=str(llama_dir))
