@@ -38,25 +38,9 @@ static inline void offer(float v, int64_t j, float *vals, int64_t *ids, int64_t 
 static inline __attribute__((always_inline)) int logprobs_row(
         const void *z, int64_t n, int bf16, int64_t k, int64_t token, int64_t *ids,
         float *vals, int64_t *rank) {
-    f32x16 mv = (f32x16){0} - INFINITY;
-    i32x16 nan = {0};
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        const f32x16 v = load16(z, i, bf16);
-        nan |= (i32x16)(v != v);
-        mv = vmax(mv, v);
-    }
-    float m = -INFINITY;
-    for (int l = 0; l < 16; l++) {
-        if (nan[l]) return 1;
-        if (mv[l] > m) m = mv[l];
-    }
-    for (; i < n; i++) {
-        const float v = load1(z, i, bf16);
-        if (v != v) return 1;
-        if (v > m) m = v;
-    }
-    if (!isfinite(m)) return 1;
+    const float m = finite_row_max(z, n, bf16);
+    if (m != m) return 1;
+    int64_t i;
 
     f32x16 sv = (f32x16){0};
     for (i = 0; i + 16 <= n; i += 16) sv += vexp(load16(z, i, bf16) - m);

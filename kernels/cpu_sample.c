@@ -101,25 +101,9 @@ static inline __attribute__((always_inline)) int64_t sample_row(
         const void *z, int64_t n, int bf16, float temperature, int64_t top_k, float top_p,
         float min_p, uint64_t seed, float *w, float *tmp) {
     if (!(temperature > 0.f)) return -1;
-    f32x16 mv = (f32x16){0} - INFINITY;
-    i32x16 nan = {0};
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        const f32x16 v = load16(z, i, bf16);
-        nan |= (i32x16)(v != v);
-        mv = vmax(mv, v);
-    }
-    float m = -INFINITY;
-    for (int l = 0; l < 16; l++) {
-        if (nan[l]) return -1;
-        if (mv[l] > m) m = mv[l];
-    }
-    for (; i < n; i++) {
-        const float v = load1(z, i, bf16);
-        if (v != v) return -1;
-        if (v > m) m = v;
-    }
-    if (!(m > -INFINITY) || m == INFINITY) return -1;
+    const float m = finite_row_max(z, n, bf16);
+    if (m != m) return -1;
+    int64_t i;
     /* weights; exp of anything below -87 is taken as 0 (vexp gives ~1e-38 there), so a
      * masked (-inf) logit can never be drawn */
     const float inv_t = 1.0f / temperature;

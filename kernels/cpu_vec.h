@@ -87,6 +87,32 @@ static inline f32x16 vmax(f32x16 a, f32x16 b) {
     i32x16 gt = (i32x16)(a > b);
     return (f32x16)(((i32x16)a & gt) | ((i32x16)b & ~gt));
 }
+/* The largest of a row's n elements (float32, or bfloat16 widened), or NaN when the row
+ * has no finite maximum (a NaN anywhere, +inf, or every element -inf): one pass, for the
+ * kernels that take a row's softmax from its maximum. */
+static inline __attribute__((always_inline)) float finite_row_max(const void *z, int64_t n,
+                                                                  int bf16) {
+    f32x16 mv = (f32x16){0} - INFINITY;
+    i32x16 nan = {0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const f32x16 v = load16(z, i, bf16);
+        nan |= (i32x16)(v != v);
+        mv = vmax(mv, v);
+    }
+    float m = -INFINITY;
+    for (int l = 0; l < 16; l++) {
+        if (nan[l]) return NAN;
+        if (mv[l] > m) m = mv[l];
+    }
+    for (; i < n; i++) {
+        const float v = load1(z, i, bf16);
+        if (v != v) return NAN;
+        if (v > m) m = v;
+    }
+    return m > -INFINITY && m < INFINITY ? m : NAN;
+}
+
 /* exp(x) (Cephes' polynomial). Below -87 it gives ~1e-38, not 0 (callers zero masked lanes
  * themselves); past float's range, +inf, as expf does. A NaN stays NaN. */
 static inline f32x16 vexp(f32x16 x) {

@@ -80,6 +80,27 @@ def device() -> torch.device:
     return DEVICE
 
 
+@pytest.fixture
+def model_dtype_logits(monkeypatch):
+    """kept(llm): the float32 flag of every compute_logits call llm's model makes from now
+    on; widen(): from then on the sampler never takes the model's dtype (a float32 copy
+    of every step's logits), for results to compare against."""
+    from batchinfer.engine.sampler import Sampler
+
+    def kept(llm) -> list[bool]:
+        seen: list[bool] = []
+        model = llm.llm_engine.model_runner.model
+        compute = model.compute_logits
+        monkeypatch.setattr(model, "compute_logits", lambda hidden, float32=True:
+                            seen.append(float32) or compute(hidden, float32))
+        return seen
+
+    def widen() -> None:
+        monkeypatch.setattr(Sampler, "takes_model_dtype",
+                            staticmethod(lambda batch, device: False))
+    return SimpleNamespace(kept=kept, widen=widen)
+
+
 @pytest.fixture(scope="session")
 def built_or_skip():
     """For the C kernels on CPU: a loader's None skips the test only on a machine without

@@ -93,23 +93,19 @@ def test_strided_rows_bfloat16_widening_and_the_contract(kernel):
             kernel(*args)
 
 
-def test_bfloat16_models_take_logprobs_from_their_own_logits(kernel, llama_dir, monkeypatch):
+def test_bfloat16_models_take_logprobs_from_their_own_logits(kernel, llama_dir,
+                                                            model_dtype_logits):
     """Requests with logprobs and nothing else to apply keep the LM head's bfloat16 logits
     (no float32 copy), with the same tokens, logprobs and ranks as from the copy."""
     from batchinfer import LLM, SamplingParams
-    from batchinfer.engine.sampler import Sampler
     prompts = ["The quick brown fox", "Batch inference on a CPU", "a b c d e f g"]
     params = [SamplingParams(max_tokens=8, temperature=t, seed=3, logprobs=4, ignore_eos=True)
               for t in (0.0, 0.8, 0.0)]
     llm = LLM(model=str(llama_dir), dtype="bfloat16")
-    seen = []
-    model = llm.llm_engine.model_runner.model
-    compute = model.compute_logits
-    monkeypatch.setattr(model, "compute_logits",
-                        lambda hidden, float32=True: seen.append(float32) or compute(hidden, float32))
+    seen = model_dtype_logits.kept(llm)
     kept = llm.generate(prompts, params)
     assert seen and not any(seen)
-    monkeypatch.setattr(Sampler, "takes_model_dtype", staticmethod(lambda batch, device: False))
+    model_dtype_logits.widen()
     widened = llm.generate(prompts, params)
     assert seen[-1]
     for a, b in zip(kept, widened):

@@ -151,22 +151,17 @@ def test_strided_rows_and_the_contract(sample):
             sample(**args)
 
 
-def test_bfloat16_models_draw_from_their_own_logits(sample, llama_dir, monkeypatch):
+def test_bfloat16_models_draw_from_their_own_logits(sample, llama_dir, model_dtype_logits):
     """A sampled batch with nothing else to apply keeps the LM head's bfloat16 logits (no
     float32 copy); seeded draws are the same as from the float32 copy."""
     from batchinfer import LLM, SamplingParams
-    from batchinfer.engine.sampler import Sampler
     prompts = ["The quick brown fox", "Batch inference on a CPU", "a b c d e f g"]
     params = [SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=40, seed=s,
                              ignore_eos=True) for s in range(3)]
     llm = LLM(model=str(llama_dir), dtype="bfloat16")
-    seen = []
-    model = llm.llm_engine.model_runner.model
-    compute = model.compute_logits
-    monkeypatch.setattr(model, "compute_logits",
-                        lambda hidden, float32=True: seen.append(float32) or compute(hidden, float32))
+    seen = model_dtype_logits.kept(llm)
     kept = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert seen and not any(seen)
-    monkeypatch.setattr(Sampler, "takes_model_dtype", staticmethod(lambda batch, device: False))
+    model_dtype_logits.widen()
     widened = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert seen[-1] and kept == widened
