@@ -375,12 +375,12 @@ INLINE decode_item_t item_at(const decode_args *d, int64_t item, int64_t splits,
     return (decode_item_t){block_tables + t * bt_stride, t, lo[t], hi[t], h0, nh};
 }
 
-/* The first walk's rows of an item, for the walk before it to prefetch. */
-INLINE ahead_seg first_walk(const decode_args *d, const decode_item_t *it, int64_t head_dim,
-                            int bf16) {
-    const int64_t nh = it->nh < heads_per_walk(d, head_dim) ? it->nh : heads_per_walk(d, head_dim);
-    return (ahead_seg){it->table, it->lo, it->hi, it->h0 * head_dim,
-                       nh * head_dim * (bf16 ? 2 : 4)};
+/* The rows of an item's walk that starts at KV head h, for the walk before it to
+ * prefetch. */
+INLINE ahead_seg walk_rows(const decode_item_t *it, int64_t h, int64_t per_walk,
+                           int64_t head_dim, int bf16) {
+    const int64_t left = it->h0 + it->nh - h, nh = left < per_walk ? left : per_walk;
+    return (ahead_seg){it->table, it->lo, it->hi, h * head_dim, nh * head_dim * (bf16 ? 2 : 4)};
 }
 
 /* One work item in walks of heads_per_walk heads; next (or NULL) is the first walk of the
@@ -391,15 +391,10 @@ INLINE void decode_item(const decode_args *d, const decode_item_t *it, const ahe
     const int64_t end = it->h0 + it->nh;
     for (int64_t h = it->h0; h < end; h += per_walk) {
         const int64_t nh = end - h < per_walk ? end - h : per_walk;
-        ahead_seg following;
-        const ahead_seg *after = next;
-        if (h + nh < end) {  /* the same sequence's next heads */
-            const int64_t nh2 = end - h - nh < per_walk ? end - h - nh : per_walk;
-            following = (ahead_seg){it->table, it->lo, it->hi, (h + nh) * head_dim,
-                                    nh2 * head_dim * (bf16 ? 2 : 4)};
-            after = &following;
-        }
-        walk(d, it->table, it->lo, it->hi, it->t, h, nh, after, nc, bf16);
+        /* after this walk: the same sequence's next heads, or the next item */
+        const ahead_seg following = walk_rows(it, h + nh, per_walk, head_dim, bf16);
+        walk(d, it->table, it->lo, it->hi, it->t, h, nh, h + nh < end ? &following : next,
+             nc, bf16);
     }
 }
 
@@ -441,7 +436,7 @@ int NAME(const T *q, int64_t q_token_stride, const T *k_cache, const T *v_cache,
             if (after < items) {                                                               \
                 const decode_item_t it2 = item_at(&d, after, splits, heads_per_item,           \
                                                   block_tables, bt_stride, lo, hi);            \
-                next = first_walk(&d, &it2, head_dim, BF16);                                   \
+                next = walk_rows(&it2, it2.h0, heads_per_walk(&d, head_dim), head_dim, BF16);  \
             }                                                                                  \
             decode_item(&d, &it, after < items ? &next : NULL, head_dim, BF16);                \
             item = after;                                                                      \

@@ -71,6 +71,22 @@ def _greedy(llm: LLM, prompts: list[str]) -> list[tuple[list[int], list[set[int]
             for o in llm.generate(prompts, params)]
 
 
+def _packed_then_plain(model_dir: str, dtype: torch.dtype, monkeypatch):
+    """(packed model, plain model): one engine with packing as this machine decides, one
+    with it switched off, each generating the same prompts; their outputs compared."""
+    prompts = ["The quick brown fox", "Batch inference on a CPU", "a b c d e f g"]
+    models, outs = [], []
+    for switched_off in (False, True):
+        if switched_off:
+            monkeypatch.setenv(cpu_linear.ENV_SWITCH, "0")
+            cpu_linear.available.cache_clear()
+        llm = LLM(model=model_dir, dtype=str(dtype).removeprefix("torch."), device="cpu")
+        models.append(llm.llm_engine.model_runner.model)
+        outs.append(_greedy(llm, prompts))
+    _assert_same_greedy(*outs, dtype)
+    return models
+
+
 def _assert_same_greedy(packed_out, plain_out, dtype: torch.dtype) -> None:
     """bfloat16: the same tokens; float32: the same up to compare_greedy's near-ties."""
     if dtype == torch.bfloat16:
@@ -89,10 +105,8 @@ def test_engine_output_unchanged_by_packing(fixture, dtype, request, fresh_probe
     (compare_greedy's rule), as the packed product adds in another order."""
     if not cpu_linear.available(dtype):
         pytest.skip(f"oneDNN packing of {dtype} is not used on this machine")
-    model_dir = str(request.getfixturevalue(fixture))
-    prompts = ["The quick brown fox", "Batch inference on a CPU", "a b c d e f g"]
-    packed_llm = LLM(model=model_dir, dtype=str(dtype).removeprefix("torch."), device="cpu")
-    model = packed_llm.llm_engine.model_runner.model
+    model, plain = _packed_then_plain(str(request.getfixturevalue(fixture)), dtype,
+                                      monkeypatch)
     layer = model.model.layers[0]
     # every product packed; only the embedding table keeps a plain copy
     assert layer.self_attn.qkv_proj.packed is not None and layer.self_attn.qkv_proj.weight is None
@@ -100,15 +114,7 @@ def test_engine_output_unchanged_by_packing(fixture, dtype, request, fresh_probe
     assert layer.mlp.gate_up_proj.weight is None
     assert model.lm_head.packed is not None
     assert (model.lm_head.weight is not None) == model.tie_word_embeddings
-    packed_out = _greedy(packed_llm, prompts)
-
-    monkeypatch.setenv(cpu_linear.ENV_SWITCH, "0")
-    cpu_linear.available.cache_clear()
-    plain_llm = LLM(model=model_dir, dtype=str(dtype).removeprefix("torch."), device="cpu")
-    plain = plain_llm.llm_engine.model_runner.model
     assert plain.model.layers[0].mlp.packed_halves is None
-    plain_out = _greedy(plain_llm, prompts)
-    _assert_same_greedy(packed_out, plain_out, dtype)
     # the bench's bytes-per-step count sees the packed weights as the same bytes
     shape = ModelShape.from_config(plain.config)
     assert weight_bytes_read_per_step(model, shape, model.tie_word_embeddings).dense == \
@@ -125,22 +131,12 @@ def test_moe_experts_packed_output_unchanged(fixture, dtype, request, fresh_prob
     if not cpu_linear.available(dtype):
         pytest.skip(f"oneDNN packing of {dtype} is not used on this machine")
     from batchinfer.model.moe import SparseMoE
-    model_dir = str(request.getfixturevalue(fixture))
-    prompts = ["The quick brown fox", "Batch inference on a CPU", "a b c d e f g"]
-    packed_llm = LLM(model=model_dir, dtype=str(dtype).removeprefix("torch."), device="cpu")
-    model = packed_llm.llm_engine.model_runner.model
+    model, plain = _packed_then_plain(str(request.getfixturevalue(fixture)), dtype,
+                                      monkeypatch)
     blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
     assert blocks and all(b.packed_experts is not None and b.w13 is None and b.w2 is None
                           and len(b.packed_experts) == b.num_experts for b in blocks)
-    packed_out = _greedy(packed_llm, prompts)
-
-    monkeypatch.setenv(cpu_linear.ENV_SWITCH, "0")
-    cpu_linear.available.cache_clear()
-    plain_llm = LLM(model=model_dir, dtype=str(dtype).removeprefix("torch."), device="cpu")
-    plain = plain_llm.llm_engine.model_runner.model
     assert all(m.packed_experts is None for m in plain.modules() if isinstance(m, SparseMoE))
-    plain_out = _greedy(plain_llm, prompts)
-    _assert_same_greedy(packed_out, plain_out, dtype)
     shape = ModelShape.from_config(plain.config)
     packed_bytes = weight_bytes_read_per_step(model, shape, model.tie_word_embeddings)
     plain_bytes = weight_bytes_read_per_step(plain, shape, plain.tie_word_embeddings)
