@@ -17,12 +17,13 @@
  * max and sum per query row) with a vectorised exp. Accumulation and the log-sum-exp are
  * float32 for float32 and bfloat16 caches alike; bfloat16 rows are widened 32 elements at a
  * time, split into even and odd elements (see load_row). A sequence's blocks lie anywhere
- * in the cache, where the hardware prefetcher cannot follow them. Two things bring them in:
- * while a walk computes, software prefetches into L2 fetch the rows it reads next (the
- * rest of its keys, then the next walk's: each thread takes its next work item one item
- * early so that it knows which); and each group of rows is read by plain loads, one per
- * cache line, before it is walked (see touch_rows), which costs little where the prefetches
- * got there first.
+ * in the cache, where the hardware prefetcher cannot follow them. Software prefetches bring
+ * them in instead: while a walk computes, a few cache lines at a time between its keys, a
+ * fixed distance ahead of it (the rest of its keys, then the next walk's: each thread takes
+ * its next work item one item early so that it knows which). Measured on a 2-core Zen 4 VM
+ * against prefetching a chunk's rows in one burst after it and reading each group of rows
+ * with plain loads before walking it: a third faster on SmolLM2's decode steps and on
+ * contexts of 1-4k keys, as fast where the step is bound by memory bandwidth.
  *
  * Written with GCC/Clang vector extensions rather than intrinsics, so the compiler maps
  * them to whatever the host has (AVX-512, AVX2, NEON). The OpenMP loop runs on the OpenMP
@@ -66,7 +67,10 @@ INLINE f32x16 transpose_sum16(const f32x16 *x) {
 }
 
 #define MAX_PASS 8     /* query rows walked together (their q and accumulators in registers) */
-#define TOUCH_BYTES (128 * 1024)  /* K and V bytes brought into cache at a time */
+/* How far ahead of the walk its prefetches run, in K and V bytes (at least one chunk).
+ * Measured on a 2-core Zen 4 VM: 16 KiB was as fast as or faster than 32 KiB to 128 KiB, by
+ * up to 25% on SmolLM2's heads. */
+#define AHEAD_BYTES (16 * 1024)
 
 /* Elements are float32 (bf16 == 0) or bfloat16 (bf16 == 1); the functions below are
  * inlined with a constant flag, so each entry point compiles to its own straight code. */
@@ -103,60 +107,43 @@ INLINE void store_row(void *base, int64_t i, const f32x16 *src, float scale, int
     }
 }
 
-/* Reads one word of every cache line of rows [first, first + rows) (bytes of each, from
- * element first, rows row_stride elements apart), in address order, and returns their OR.
- * Plain loads rather than prefetches: they are independent, so the core keeps many misses
- * in flight, and it does not drop them when its miss buffers are full (measured on a
- * 2-core Zen 4 VM: software prefetches into L1 just ahead of each chunk made the walk no
- * faster; these made the kernel 15-35% faster on the bench's shapes). The prefetches a
- * group ahead into L2 (prefetch_ahead) come on top: 10-20% faster again, where touching
- * only a walk's first group and leaving the rest to the prefetches was slower on long
- * contexts. */
-INLINE uint32_t touch_rows(const void *cache, int64_t first, int64_t rows, int64_t row_stride,
-                           int64_t bytes, int bf16) {
-    const char *p = (const char *)cache + first * (bf16 ? 2 : 4);
-    const int64_t stride = row_stride * (bf16 ? 2 : 4);
-    uint32_t acc = 0;
-    for (int64_t j = 0; j < rows; j++)
-        for (int64_t c = 0; c < bytes; c += 64) {
-            uint32_t w;
-            memcpy(&w, p + j * stride + c, sizeof w);
-            acc |= w;
-        }
-    return acc;
-}
-
 /* Where the walk after this one reads: keys [j, end) of a sequence (its block table), the
- * part of each row its heads take (element off, bytes long). Prefetched a few rows at a time
- * while this walk computes, so that its rows are in cache when it starts. */
+ * part of each row its heads take (element off, bytes long). Prefetched a few lines at a
+ * time while this walk computes, so that its first rows are in cache when it starts. */
 typedef struct {
     const int32_t *table;
     int64_t j, end, off, bytes;
 } ahead_seg;
 
-/* The rows still to prefetch: what is left of this walk past the group touched first, then
- * the next walk's. */
+/* The rows still to prefetch: what is left of this walk past the distance ahead, then the
+ * next walk's; taken a cache line at a time (line: the next one's byte offset in row j
+ * of seg[cur], whose K and V start at k_row and v_row). */
 typedef struct {
     ahead_seg seg[2];
     int cur;
+    int64_t line;
+    const char *k_row, *v_row;
+    const char *k_cache, *v_cache;
+    int64_t key_stride, block_size, elt;
 } ahead_rows;
 
-/* Software prefetches into L2 (prefetcht1: a group's rows would not fit L1 next to the
- * walk's own) of the next `rows` rows (K and V) of what lies ahead. */
-INLINE void prefetch_ahead(const void *k_cache, const void *v_cache, ahead_rows *a,
-                           int64_t rows, int64_t key_stride, int64_t block_size, int bf16) {
-    const int64_t elt = bf16 ? 2 : 4;
-    while (rows > 0 && a->cur < 2) {
+/* Software prefetches into L2 (prefetcht1) of the next `lines` cache lines of K and V of
+ * what lies ahead. */
+INLINE void prefetch_lines(ahead_rows *a, int64_t lines) {
+    while (lines > 0 && a->cur < 2) {
         ahead_seg *s = &a->seg[a->cur];
         if (s->j >= s->end) { a->cur++; continue; }
-        const int64_t at = (((int64_t)s->table[s->j / block_size] * block_size
-                             + s->j % block_size) * key_stride + s->off) * elt;
-        for (int64_t c = 0; c < s->bytes; c += 64) {
-            __builtin_prefetch((const char *)k_cache + at + c, 0, 2);
-            __builtin_prefetch((const char *)v_cache + at + c, 0, 2);
+        if (a->line == 0) {
+            const int64_t at = (((int64_t)s->table[s->j / a->block_size] * a->block_size
+                                 + s->j % a->block_size) * a->key_stride + s->off) * a->elt;
+            a->k_row = a->k_cache + at;
+            a->v_row = a->v_cache + at;
         }
-        s->j++;
-        rows--;
+        __builtin_prefetch(a->k_row + a->line, 0, 2);
+        __builtin_prefetch(a->v_row + a->line, 0, 2);
+        lines--;
+        a->line += 64;
+        if (a->line >= s->bytes) { a->line = 0; s->j++; }
     }
 }
 
@@ -190,17 +177,21 @@ INLINE f32x16 softmax_step(
 /* One pass (G query rows of one KV head) over one chunk of n keys: the keys' rows start at
  * element `base` of the caches, key_stride apart. The pass's state lives in memory between
  * chunks (q: its queries, scaled, in load_row's order; a: accumulators; m, l: running max
- * and per-lane sum) and in registers within one; inlined with constant nc and G. */
+ * and per-lane sum) and in registers within one; inlined with constant nc and G. Between
+ * its keys it issues `lines` of the prefetches ahead. */
 INLINE void pass_chunk(
         const f32x16 *q_mem, f32x16 *a_mem, f32x16 *m_mem, f32x16 *l_mem,
         const void *k_cache, const void *v_cache, int64_t base, int64_t key_stride, int64_t n,
-        i32x16 valid, const int64_t nc, const int64_t G, const int bf16) {
+        i32x16 valid, ahead_rows *ahead, int64_t lines, const int64_t nc, const int64_t G,
+        const int bf16) {
     f32x16 qr[MAX_PASS * MAX_CHUNKS], a[MAX_PASS * MAX_CHUNKS], m[MAX_PASS], l[MAX_PASS];
     for (int64_t i = 0; i < G * nc; i++) { qr[i] = q_mem[i]; a[i] = a_mem[i]; }
     for (int64_t g = 0; g < G; g++) { m[g] = m_mem[g]; l[g] = l_mem[g]; }
     f32x16 part[MAX_PASS][16], p[MAX_PASS];
+    int64_t spread = 0;
     for (int64_t j = 0; j < 16; j++) {
         if (j < n) {
+            for (spread += lines; spread >= n; spread -= n) prefetch_lines(ahead, 1);
             f32x16 kv[MAX_CHUNKS];
             load_row(k_cache, base + j * key_stride, kv, nc, bf16);
             for (int64_t g = 0; g < G; g++) {
@@ -272,41 +263,29 @@ INLINE void walk_heads(
             ls[s] = init != -INFINITY ? (f32x16){1.f} : (f32x16){0};
         }
     }
-    /* the keys in groups of about TOUCH_BYTES of K and V rows (this walk's heads' part of
-     * each row): a group's rows are first read a word per cache line, in address order,
-     * then walked from cache */
+    /* while a chunk is walked, prefetches run AHEAD_BYTES of K and V rows (this walk's heads'
+     * part of each row) ahead of it: through the rest of this walk, then into the next */
     const int64_t span_off = h0 * head_dim, span = nh * head_dim * (bf16 ? 2 : 4);
-    int64_t group_keys = TOUCH_BYTES / (2 * span) / 16 * 16;
-    if (group_keys < 16) group_keys = 16;
-    /* while a group is walked, the rows as far ahead as a group are prefetched: the rest of
-     * this walk's, then the next walk's */
-    ahead_rows ahead = {{{table, lo + group_keys, hi, span_off, span},
-                         next ? *next : (ahead_seg){table, 0, 0, 0, 0}}, 0};
-    uint32_t sink = 0;
-    for (int64_t g0 = lo; g0 < hi; g0 += group_keys) {
-        const int64_t g1 = hi - g0 < group_keys ? hi : g0 + group_keys;
-        for (int64_t j0 = g0; j0 < g1;) {
-            const int64_t n = chunk_len(j0, g1, block_size);
-            const int64_t at = ((int64_t)table[j0 / block_size] * block_size + j0 % block_size)
-                               * key_stride + span_off;
-            sink |= touch_rows(d->k_cache, at, n, key_stride, span, bf16);
-            sink |= touch_rows(d->v_cache, at, n, key_stride, span, bf16);
-            j0 += n;
-        }
-        for (int64_t j0 = g0; j0 < g1;) {
-            const int64_t n = chunk_len(j0, g1, block_size);
-            const int64_t base = ((int64_t)table[j0 / block_size] * block_size
-                                  + j0 % block_size) * key_stride;
-            const i32x16 valid = lane < (int32_t)n;
-            for (int64_t p = 0; p < passes; p++)
-                pass_chunk(qs + p * G * nc, as + p * G * nc, ms + p * G, ls + p * G,
-                           d->k_cache, d->v_cache, base + (h0 + p / per_head) * head_dim,
-                           key_stride, n, valid, nc, G, bf16);
-            prefetch_ahead(d->k_cache, d->v_cache, &ahead, n, key_stride, block_size, bf16);
-            j0 += n;
-        }
+    int64_t ahead_keys = AHEAD_BYTES / (2 * span) / 16 * 16;
+    if (ahead_keys < 16) ahead_keys = 16;
+    ahead_rows ahead = {{{table, lo + ahead_keys, hi, span_off, span},
+                         next ? *next : (ahead_seg){table, 0, 0, 0, 0}}, 0, 0, NULL, NULL,
+                        d->k_cache, d->v_cache, key_stride, block_size, bf16 ? 2 : 4};
+    const int64_t row_lines = (span + 63) / 64;
+    for (int64_t j0 = lo; j0 < hi;) {
+        const int64_t n = chunk_len(j0, hi, block_size);
+        const int64_t base = ((int64_t)table[j0 / block_size] * block_size + j0 % block_size)
+                             * key_stride;
+        const i32x16 valid = lane < (int32_t)n;
+        /* as many lines prefetched as the chunk reads, spread over its passes */
+        const int64_t chunk_lines = n * row_lines;
+        for (int64_t p = 0; p < passes; p++)
+            pass_chunk(qs + p * G * nc, as + p * G * nc, ms + p * G, ls + p * G, d->k_cache,
+                       d->v_cache, base + (h0 + p / per_head) * head_dim, key_stride, n, valid,
+                       &ahead, chunk_lines * (p + 1) / passes - chunk_lines * p / passes, nc,
+                       G, bf16);
+        j0 += n;
     }
-    __asm__ volatile("" : : "r"(sink));  /* the touches are kept: their value is "used" */
     for (int64_t p = 0; p < passes; p++) {
         const int64_t h = h0 + p / per_head, r0 = p % per_head * G;
         for (int64_t g = 0; g < G; g++) {
