@@ -1,14 +1,88 @@
 """What generate() returns: vLLM-shaped request and completion outputs."""
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
-@dataclass(slots=True)  # millions of them in a run with logprobs: no per-object __dict__
+@dataclass(slots=True)
 class Logprob:
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
+
+
+class FlatLogprobs(Sequence):
+    """Logprobs read as vLLM's list of {token_id: Logprob} dicts, one per token (a sample's:
+    the sampled token first, then the top k by rank; a prompt's: the same for the prompt
+    token, and None for the first), but stored flat: a run with logprobs=k keeps k + 1
+    numbers and a shared string per token in a few lists, not k + 1 objects and a dict.
+    Indexing builds a position's dict; the job writer reads the lists. Position i's entries
+    are [starts[i], starts[i + 1]) of token_ids, logprobs, ranks and decoded_tokens; a
+    position with none reads as None."""
+
+    __slots__ = ("starts", "token_ids", "logprobs", "ranks", "decoded_tokens")
+
+    def __init__(self) -> None:
+        self.starts = [0]
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.ranks: list[int] = []
+        self.decoded_tokens: list[str] = []
+
+    def add(self, token: int, top_ids: list[int], values: list[float], rank: int, k: int,
+            text: Callable[[int], str]) -> None:
+        """One position: the sampled token (values[-1], at rank `rank`), then the top k
+        (top_ids[:k], values[:k], ranks 1..k) but for the sampled token if it is one."""
+        ids, lps, ranks = self.token_ids, self.logprobs, self.ranks
+        ids.append(token)
+        lps.append(values[-1])
+        ranks.append(rank)
+        top = top_ids[:k]
+        if token in top:
+            j = top.index(token)
+            ids += top[:j]
+            ids += top[j + 1:]
+            lps += values[:j]
+            lps += values[j + 1:k]
+            ranks += range(1, j + 1)
+            ranks += range(j + 2, k + 1)
+        else:
+            ids += top
+            lps += values[:k]
+            ranks += range(1, k + 1)
+        self.decoded_tokens += map(text, ids[self.starts[-1]:])
+        self.starts.append(len(ids))
+
+    def add_none(self) -> None:
+        """A position with no logprobs (a prompt's first token)."""
+        self.starts.append(self.starts[-1])
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("logprobs position out of range")
+        a, b = self.starts[i], self.starts[i + 1]
+        if a == b:
+            return None
+        return {t: Logprob(lp, r, d) for t, lp, r, d in
+                zip(self.token_ids[a:b], self.logprobs[a:b], self.ranks[a:b],
+                    self.decoded_tokens[a:b])}
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, str):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    def __repr__(self) -> str:
+        return f"FlatLogprobs({list(self)!r})"
 
 
 @dataclass
@@ -52,7 +126,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
-    logprobs: list[dict[int, Logprob]] | None
+    logprobs: FlatLogprobs | None  # a sequence of {token_id: Logprob}, one per token
     finish_reason: str | None  # "stop" | "length" | "error"
     stop_reason: int | str | None = None
     metrics: RequestMetrics | None = None  # this sample's own timeline
@@ -73,4 +147,4 @@ class RequestOutput:
     error: str | None = None  # set when the request failed on its own (e.g. prompt too long)
     # with SamplingParams.prompt_logprobs: per prompt token (None for the first) the
     # token's logprob given the ones before it, and the top k there
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs: FlatLogprobs | None = None

@@ -22,7 +22,7 @@ from batchinfer.model.loader import (architecture, language_model_config, resolv
                                      resolve_tokenizer_path)
 from batchinfer.model.parallel import TensorParallel
 from batchinfer.model.rope import short_context_limit
-from batchinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from batchinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from batchinfer.sampling_params import SamplingParams
 
 # distinct regex patterns whose guides (and the DFA states they reached) are kept
@@ -382,21 +382,8 @@ class LLMEngine:
 
     def _record_logprobs(self, req: Request, token: int, entry) -> None:
         top_ids, values, rank = entry
-        req.logprobs.append(self._logprob_record(token, top_ids, values, rank,
-                                                 req.params.logprobs))
+        req.logprobs.add(token, top_ids, values, rank, req.params.logprobs, self._token_text)
         req.cumulative_logprob += values[-1]
-
-    def _logprob_record(self, token: int, top_ids: list[int], values: list[float], rank: int,
-                        k: int) -> dict[int, Logprob]:
-        """The token first, then the top k by rank (it is one of them or not), as vLLM;
-        values holds the top k's and then the token's."""
-        text = self._token_text
-        record = {token: Logprob(values[-1], rank, text(token))}
-        for r in range(k):
-            tid = top_ids[r]
-            if tid not in record:
-                record[tid] = Logprob(values[r], r + 1, text(tid))
-        return record
 
     def _token_text(self, token: int) -> str:
         """One token decoded alone (the text logprobs report), cached per token id."""
@@ -408,12 +395,14 @@ class LLMEngine:
     def _record_prompt_logprobs(self, req: Request, first: int, rows) -> None:
         """Prompt positions first, first + 1, ...: each (top ids, values (+ the prompt
         token's), its rank), as the model runner computed them for one prefill chunk."""
-        k = req.params.prompt_logprobs
+        k, recorded = req.params.prompt_logprobs, req.prompt_logprobs
         for offset, (top_ids, values, rank) in enumerate(rows):
             position = first + offset
-            token = req.token_ids[position]
-            # a recomputed chunk writes the same
-            req.prompt_logprobs[position] = self._logprob_record(token, top_ids, values, rank, k)
+            if position < len(recorded):
+                continue  # a chunk computed again (after a preemption) gives the same
+            while len(recorded) < position:
+                recorded.add_none()
+            recorded.add(req.token_ids[position], top_ids, values, rank, k, self._token_text)
 
     def _finish_child(self, req: Request) -> RequestOutput | None:
         parent = self.parents[req.parent_id]

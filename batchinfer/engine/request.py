@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
-from batchinfer.outputs import Logprob, RequestMetrics
+from batchinfer.outputs import FlatLogprobs, RequestMetrics
 from batchinfer.sampling_params import SamplingParams
 
 
@@ -52,10 +52,12 @@ class Request:
         self.stop_token_ids = frozenset(params.stop_token_ids or ()) | (
             frozenset() if params.ignore_eos else eos_token_ids)
         self.stop_reason: int | str | None = None
-        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.logprobs = FlatLogprobs() if params.logprobs is not None else None
         self.cumulative_logprob = 0.0 if params.logprobs is not None else None
-        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
-            [None] * self.num_prompt_tokens if params.prompt_logprobs is not None else None)
+        self.prompt_logprobs = None  # the first prompt token has none
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs = FlatLogprobs()
+            self.prompt_logprobs.add_none()
         self.detokenizer = None  # set by the engine when stop strings need incremental text
 
     @property

@@ -2,15 +2,17 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from batchinfer.job.errors import JobError
 from batchinfer.job.manifest import Manifest, OutputDir
 from batchinfer.job.prompts import PromptSpec, WorkItem
 from batchinfer.job.rangeset import RangeSet
-from batchinfer.outputs import RequestOutput
+from batchinfer.outputs import FlatLogprobs, RequestOutput
 
 STAT_FIELDS = [
     pa.field("sample_index", pa.int32()),
@@ -35,6 +37,7 @@ LOGPROB_FIELDS = [pa.field("cumulative_logprob", pa.float64()),
 # per prompt token (null for the first): the token's logprob first, then the top K there
 PROMPT_LOGPROB_FIELDS = [pa.field("prompt_logprob_sum", pa.float64()),
                          pa.field("prompt_logprobs", pa.list_(pa.list_(LOGPROB_ENTRY)))]
+FLAT_COLUMNS = ("logprobs", "prompt_logprobs")  # rows may hold FlatLogprobs (to_table)
 
 
 def output_schema(input_schema: pa.Schema, spec: PromptSpec, save_token_ids: bool,
@@ -97,24 +100,58 @@ def sample_rows(item: WorkItem, out: RequestOutput, save_token_ids: bool,
                        e2e_s=m.e2e_s)
         if save_token_ids:
             row.update(prompt_token_ids=out.prompt_token_ids, token_ids=c.token_ids)
-        if logprobs:
+        if logprobs:  # FlatLogprobs go to to_table as they are
             row.update(cumulative_logprob=c.cumulative_logprob,
-                       logprobs=_logprob_lists(c.logprobs))
+                       logprobs=c.logprobs if isinstance(c.logprobs, FlatLogprobs)
+                       else _logprob_lists(c.logprobs))
         if prompt_logprobs and out.prompt_logprobs is not None:
             steps = out.prompt_logprobs
-            row.update(prompt_logprobs=_logprob_lists(steps),
-                       prompt_logprob_sum=sum(step[tid].logprob for tid, step in
-                                              zip(out.prompt_token_ids[1:], steps[1:])))
+            if isinstance(steps, FlatLogprobs):  # each position's first entry: its token
+                total = sum(steps.logprobs[a] for a, b in zip(steps.starts, steps.starts[1:])
+                            if b > a)
+            else:
+                steps, total = _logprob_lists(steps), sum(
+                    step[tid].logprob for tid, step in zip(out.prompt_token_ids[1:], steps[1:]))
+            row.update(prompt_logprobs=steps, prompt_logprob_sum=total)
         rows.append(row)
     return rows
 
 
-def _logprob_lists(steps: list[dict | None] | None) -> list[list[dict[str, Any]] | None] | None:
+def _logprob_lists(steps: Sequence[dict | None] | None) -> list[list[dict[str, Any]] | None] | None:
     if steps is None:
         return None
     return [None if step is None else
             [{"token_id": tid, "token": lp.decoded_token, "logprob": lp.logprob, "rank": lp.rank}
              for tid, lp in step.items()] for step in steps]
+
+
+def _flat_logprobs_array(column: list[FlatLogprobs | None], type_: pa.ListType) -> pa.Array:
+    """A logprobs column (list of positions, each a list of entries, null where a position
+    has none) built from the rows' flat lists, with no Python object per entry."""
+    row_offsets, position_offsets = [0], [0]
+    ids: list[int] = []
+    texts: list[str] = []
+    values: list[float] = []
+    ranks: list[int] = []
+    for steps in column:
+        if steps is not None:
+            base = len(ids)
+            position_offsets += [base + end for end in steps.starts[1:]]
+            ids += steps.token_ids
+            texts += steps.decoded_tokens
+            values += steps.logprobs
+            ranks += steps.ranks
+        row_offsets.append(len(position_offsets) - 1)
+    entry = type_.value_type.value_type
+    entries = pa.StructArray.from_arrays(
+        [pa.array(data, type=entry.field(name).type) for name, data in
+         (("token_id", ids), ("token", texts), ("logprob", values), ("rank", ranks))],
+        fields=list(entry))
+    offsets = np.array(position_offsets, dtype=np.int32)
+    positions = pa.ListArray.from_arrays(pa.array(offsets), entries, type=type_.value_type,
+                                         mask=pa.array(offsets[1:] == offsets[:-1]))
+    return pa.ListArray.from_arrays(pa.array(row_offsets, pa.int32()), positions, type=type_,
+                                    mask=pa.array([steps is None for steps in column]))
 
 
 def to_table(rows: list[dict[str, Any]], schema: pa.Schema,
@@ -127,6 +164,11 @@ def to_table(rows: list[dict[str, Any]], schema: pa.Schema,
     arrays = []
     for f in schema:
         column = [r.get(f.name) for r in rows]
+        if f.name in FLAT_COLUMNS and any(isinstance(v, FlatLogprobs) for v in column):
+            if all(v is None or isinstance(v, FlatLogprobs) for v in column):
+                arrays.append(_flat_logprobs_array(column, f.type))
+                continue
+            column = [_logprob_lists(v) if isinstance(v, FlatLogprobs) else v for v in column]
         known = (dictionaries or {}).get(f.name)
         try:
             if known is not None and pa.types.is_dictionary(f.type):
