@@ -11,7 +11,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from batchinfer.model.random_checkpoint import build_random_checkpoint
 from batchinfer.paths import cache_root
 
 DEMO_NOTICE = ("The built-in demo model has random weights: its output text is meaningless "
@@ -44,6 +43,8 @@ def demo_model_path() -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".{DEMO_NAME}-", dir=final.parent))
     try:
         logger.info("building the demo model in %s", final)
+        # transformers' model classes, which building needs, cost a second to import
+        from batchinfer.model.random_checkpoint import build_random_checkpoint
         build_random_checkpoint(staging, DEMO_SHAPE, seed=DEMO_SEED)
         staging.chmod(0o755)  # mkdtemp makes it private; the cache entry is a plain directory
         try:

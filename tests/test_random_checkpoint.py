@@ -7,6 +7,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import batchinfer.demo as demo
+import batchinfer.model.random_checkpoint as random_checkpoint
 import checkpoints
 from batchinfer.model.random_checkpoint import (
     MIN_VOCAB_SIZE,
@@ -218,7 +219,7 @@ def test_demo_model_is_built_once(demo_dir, monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("demo model rebuilt")
 
-    monkeypatch.setattr(demo, "build_random_checkpoint", fail)
+    monkeypatch.setattr(random_checkpoint, "build_random_checkpoint", fail)
     assert demo.demo_model_path() == demo_dir
     # no staging copy left beside it (the cache root also holds other things: kernels, ...)
     assert [p.name for p in demo_dir.parent.iterdir() if "demo-v1" in p.name] == ["demo-v1"]
@@ -233,7 +234,8 @@ def test_demo_build_losing_a_race_keeps_the_winner(tmp_path, monkeypatch):
         (winner / "config.json").write_text("{}")
         (Path(out_dir) / "config.json").write_text('{"loser": true}')
 
-    monkeypatch.setattr(demo, "build_random_checkpoint", build_while_another_process_finishes)
+    monkeypatch.setattr(random_checkpoint, "build_random_checkpoint",
+                        build_while_another_process_finishes)
     path = demo.demo_model_path()
     assert path == tmp_path / "demo-v1"
     assert (path / "config.json").read_text() == "{}"
@@ -284,3 +286,15 @@ def test_hf_greedy_stops_at_eos_unless_told_not_to(tmp_path):
     for i, tokens in zip(early, full.token_ids):
         assert len(tokens) == 40 and tokens[:len(stopped.token_ids[i])] == \
             stopped.token_ids[i]
+
+
+def test_a_cached_demo_model_loads_without_transformers_model_classes(demo_dir):
+    """Only building the demo model needs them (a second of imports on every start)."""
+    import subprocess
+    import sys
+    code = ("import sys; from batchinfer.model.loader import resolve_model_path; "
+            "print(resolve_model_path('demo')); "
+            "print('transformers.models.auto.modeling_auto' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True)
+    assert done.stdout.split() == [str(demo_dir), "False"]
