@@ -3,6 +3,7 @@ dicts; and a generate() with logprobs and prompt logprobs making no Logprob per 
 from __future__ import annotations
 
 import gc
+import pickle
 
 import pytest
 
@@ -50,6 +51,7 @@ def test_positions_read_as_the_dicts_built_the_plain_way():
     with pytest.raises(IndexError):
         flat[len(expected)]
     assert flat != expected[:-1]
+    assert pickle.loads(pickle.dumps(flat)) == expected  # outputs cross process boundaries
 
 
 def test_a_position_with_no_entries_reads_as_none():
