@@ -110,8 +110,9 @@ def sample_rows(item: WorkItem, out: RequestOutput, save_token_ids: bool,
                 total = sum(steps.logprobs[a] for a, b in zip(steps.starts, steps.starts[1:])
                             if b > a)
             else:
-                steps, total = _logprob_lists(steps), sum(
-                    step[tid].logprob for tid, step in zip(out.prompt_token_ids[1:], steps[1:]))
+                total = sum(step[tid].logprob
+                            for tid, step in zip(out.prompt_token_ids[1:], steps[1:]))
+                steps = _logprob_lists(steps)
             row.update(prompt_logprobs=steps, prompt_logprob_sum=total)
         rows.append(row)
     return rows
