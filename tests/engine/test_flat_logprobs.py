@@ -63,6 +63,22 @@ def test_a_position_with_no_entries_reads_as_none():
     assert flat[0] is None and flat[-1] is None
 
 
+def test_a_section_keeps_positions_compactly_and_extends_another_as_they_were():
+    flat = FlatLogprobs()
+    flat.add_none()
+    for p in POSITIONS:
+        flat.add(*p, _text)
+    kept = flat.section(0, 4)  # None and three positions, in arrays
+    assert list(kept) == list(flat[:4]) and kept.starts[0] == 0
+    assert pickle.loads(pickle.dumps(kept)) == flat[:4]
+    rebuilt = FlatLogprobs()
+    rebuilt.extend(kept, 0, 2)
+    rebuilt.extend(kept, 2)
+    rebuilt.extend(flat.section(4, len(flat)))
+    assert rebuilt == flat and rebuilt.starts == flat.starts
+    assert all(type(x) is list for x in (rebuilt.token_ids, rebuilt.logprobs, rebuilt.ranks))
+
+
 def test_generate_keeps_no_logprob_object_per_entry(llama_dir):
     llm = LLM(model=str(llama_dir), dtype="float32", seed=0)
     outs = llm.generate(["a b c", "d e"], SamplingParams(max_tokens=6, ignore_eos=True,
