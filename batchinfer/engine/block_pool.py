@@ -6,14 +6,23 @@ first. A cache hit on a free block takes it back out of the queue. All of it O(1
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from batchinfer.outputs import FlatLogprobs
+
 
 class KVBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prompt_logprobs", "prev_free",
+                 "next_free")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: int | None = None
+        # a cached block's positions' prompt logprobs, once a request asking them computed
+        # them: (k, FlatLogprobs section); kept and evicted with the hash
+        self.prompt_logprobs: tuple[int, FlatLogprobs] | None = None
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
 
@@ -88,6 +97,7 @@ class BlockPool:
                 if self.cached.get(block.block_hash) is block:
                     del self.cached[block.block_hash]
                 block.block_hash = None
+                block.prompt_logprobs = None
             block.ref_cnt = 1
             out.append(block)
         return out

@@ -336,6 +336,7 @@ class LLMEngine:
         requests = self.requests
         for req_id, (first, rows) in (result.prompt_logprobs or {}).items():
             self._record_prompt_logprobs(requests[req_id], first, rows)
+            self.kv.share_prompt_logprobs(requests[req_id])
         for i, (req_id, token) in enumerate(zip(result.req_ids, result.token_ids)):
             req = requests[req_id]
             req.token_ids.append(token)

@@ -1,10 +1,16 @@
 """Which KV blocks each request holds. Query-then-commit: get_computed_blocks() finds a
 request's cached prefix without side effects; allocate_slots() takes the blocks (or returns
-None when the pool cannot hold them) and registers newly full blocks in the prefix cache."""
+None when the pool cannot hold them) and registers newly full blocks in the prefix cache.
+
+A request asking prompt logprobs needs every prompt position's logits, which cached KV does
+not give; so a cached block also keeps its positions' prompt logprobs once a request that
+asked them (with the same k) computed them, and such a request reads only blocks that have
+them. That is what lets a scoring job with a shared system prompt skip computing it."""
 from __future__ import annotations
 
 from batchinfer.engine.block_pool import BlockPool, KVBlock
 from batchinfer.engine.request import Request
+from batchinfer.outputs import FlatLogprobs
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -18,6 +24,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
+        self.shared_logprob_blocks: dict[str, int] = {}  # share_prompt_logprobs' progress
         self.queried_tokens = 0
         self.hit_tokens = 0
 
@@ -40,18 +47,62 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of full blocks; the last token is always left to
-        compute, since its logits are needed."""
-        if not self.enable_caching or request.params.prompt_logprobs is not None:
-            # prompt logprobs need every prompt position computed: no cache hits (as vLLM)
+        compute, since its logits are needed. For a request asking prompt logprobs, only
+        blocks that keep them for its k count, and the last of those is computed again:
+        the hidden state of its last position scores the first token after it."""
+        if not self.enable_caching:
             return [], 0
+        k = request.params.prompt_logprobs
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits = []
         for h in self._hashes(request, max_blocks)[:max_blocks]:
             block = self.pool.get_cached(h)
-            if block is None:
+            if block is None or (k is not None and (block.prompt_logprobs is None
+                                                    or block.prompt_logprobs[0] != k)):
                 break
             hits.append(block)
+        if k is not None:
+            hits = hits[:-1]
         return hits, len(hits) * self.block_size
+
+    def cached_prompt_logprobs(self, request: Request, num_computed: int) -> FlatLogprobs | None:
+        """The prompt logprobs a request asking them takes from the cache when its first
+        num_computed tokens are cache hits (get_computed_blocks): its positions from those
+        it has recorded up to num_computed (inclusive; that one is scored by the last hit
+        block's last position, which is not computed again), or None when there are none to
+        add. Read before allocate_slots, which may evict the block holding the last one."""
+        recorded = request.prompt_logprobs
+        if recorded is None or num_computed < len(recorded):
+            return None
+        bs = self.block_size
+        out = FlatLogprobs()
+        position = len(recorded)
+        hashes = self._hashes(request, num_computed // bs + 1)
+        while position <= num_computed:
+            b = position // bs
+            _, section = self.pool.get_cached(hashes[b]).prompt_logprobs
+            end = min((b + 1) * bs, num_computed + 1)
+            out.extend(section, position - b * bs, end - b * bs)
+            position = end
+        return out
+
+    def share_prompt_logprobs(self, request: Request) -> None:
+        """Let the prefix cache's blocks keep the prompt logprobs the request has recorded
+        for their positions: each full prompt block once all its positions are in."""
+        recorded = request.prompt_logprobs
+        if not self.enable_caching or recorded is None:
+            return
+        bs = self.block_size
+        done = min(len(recorded), request.num_prompt_tokens) // bs
+        start = self.shared_logprob_blocks.get(request.request_id, 0)
+        if done <= start:
+            return
+        k = request.params.prompt_logprobs
+        for b, h in enumerate(self._hashes(request, done)[start:done], start):
+            block = self.pool.get_cached(h)
+            if block is not None and block.prompt_logprobs is None:
+                block.prompt_logprobs = (k, recorded.section(b * bs, (b + 1) * bs))
+        self.shared_logprob_blocks[request.request_id] = done
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: list[KVBlock] = (), num_computed_tokens: int = 0
@@ -103,6 +154,7 @@ class KVCacheManager:
         request.kv_room = 0
         blocks = self.req_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        self.shared_logprob_blocks.pop(request.request_id, None)
         self.pool.free(blocks[::-1])
 
     def block_ids(self, request_id: str) -> list[int]:

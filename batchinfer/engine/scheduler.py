@@ -100,10 +100,13 @@ class Scheduler:
             req = self.waiting[0]
             hits, num_hit = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit, budget)
+            cached_logprobs = self.kv.cached_prompt_logprobs(req, num_hit) if num_hit else None
             if self.kv.allocate_slots(req, n, hits, num_hit) is None:
                 break
             self.waiting.popleft()
             req.num_computed_tokens = num_hit
+            if cached_logprobs is not None:
+                req.prompt_logprobs.extend(cached_logprobs)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
                 req.metrics.first_scheduled_time = now

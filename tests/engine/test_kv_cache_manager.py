@@ -219,3 +219,71 @@ def test_usage_reports_the_fraction_of_blocks_held():
     assert kv.usage == 2 / 8
     kv.free(a)
     assert kv.usage == 0.0
+
+
+# ---- prompt logprobs kept on cached blocks ----------------------------------------------
+
+def scoring_request(request_id: str, tokens: list[int], k: int = 1) -> Request:
+    return Request(request_id, list(tokens), SamplingParams(max_tokens=1, prompt_logprobs=k),
+                   frozenset(), 1024)
+
+
+def record(req: Request, upto: int) -> None:
+    """Record the request's prompt positions up to upto (exclusive) as the engine would: the
+    prompt token's logprob depends only on it and its position, so requests sharing a
+    prefix record the same entries there."""
+    recorded = req.prompt_logprobs
+    for p in range(len(recorded), upto):
+        token = req.token_ids[p]
+        recorded.add(token, [token, 1000 + p], [-0.5 - p, -1.5 - p, -0.5 - p], 1, 1, str)
+
+
+def test_blocks_keep_the_prompt_logprobs_of_their_positions_once_all_are_recorded():
+    kv = KVCacheManager(16, BS, enable_caching=True)
+    a = scoring_request("a", list(range(11)))  # 2 full blocks + 3 tokens
+    commit(kv, a)
+    record(a, 7)
+    kv.share_prompt_logprobs(a)
+    first, second = kv.req_blocks["a"][:2]
+    assert first.prompt_logprobs[0] == 1 and list(first.prompt_logprobs[1]) == a.prompt_logprobs[:4]
+    assert second.prompt_logprobs is None  # positions 4..7: 7 not recorded yet
+    record(a, 11)
+    kv.share_prompt_logprobs(a)
+    assert list(second.prompt_logprobs[1]) == a.prompt_logprobs[4:8]
+    assert kv.req_blocks["a"][2].prompt_logprobs is None  # not full, not cached
+
+
+def test_a_scoring_request_reads_blocks_with_its_k_and_computes_the_last_again():
+    kv = KVCacheManager(16, BS, enable_caching=True)
+    a = scoring_request("a", list(range(13)))
+    commit(kv, a)
+    record(a, 13)
+    kv.share_prompt_logprobs(a)
+    b = scoring_request("b", list(range(12)) + [99, 98])  # 3 full blocks shared
+    hits, num_hit = kv.get_computed_blocks(b)
+    # the third block's last position scores b's position 12: it is computed again
+    assert [h.block_id for h in hits] == kv.block_ids("a")[:2] and num_hit == 8
+    cached = kv.cached_prompt_logprobs(b, num_hit)
+    assert list(cached) == a.prompt_logprobs[1:9]  # b has position 0 (None) already
+    # another k, or no prompt logprobs at all
+    assert kv.get_computed_blocks(scoring_request("c", b.token_ids, k=2)) == ([], 0)
+    assert kv.get_computed_blocks(make_request("d", b.token_ids))[1] == 12
+
+
+def test_blocks_a_plain_request_cached_keep_no_prompt_logprobs():
+    kv = KVCacheManager(16, BS, enable_caching=True)
+    commit(kv, make_request("plain", list(range(13))))
+    assert kv.get_computed_blocks(scoring_request("b", list(range(13)))) == ([], 0)
+
+
+def test_an_evicted_block_drops_its_prompt_logprobs():
+    kv = KVCacheManager(4, BS, enable_caching=True)
+    a = scoring_request("a", list(range(9)))
+    commit(kv, a)
+    record(a, 9)
+    kv.share_prompt_logprobs(a)
+    blocks = kv.req_blocks["a"]
+    assert all(b.prompt_logprobs is not None for b in blocks[:2])
+    kv.free(a)
+    kv.pool.allocate(4)  # every block, the cached ones evicted
+    assert all(b.prompt_logprobs is None and b.block_hash is None for b in blocks)

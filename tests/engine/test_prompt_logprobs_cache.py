@@ -1,0 +1,52 @@
+"""Requests asking prompt logprobs read the prefix cache where its blocks keep the prompt
+logprobs of their positions (kept by an earlier request with the same k): the same
+results as computing the whole prompt, with the shared part not computed again."""
+from __future__ import annotations
+
+import pytest
+
+from batchinfer import LLM, SamplingParams
+
+SHARED = list(range(5, 105))  # a 100-token shared prefix: 6 full blocks of 16
+PROMPTS = [SHARED + [200 + i, 300 + i, 7, 8 + i] for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def engines(llama_dir):
+    kwargs = dict(model=str(llama_dir), dtype="float32", block_size=16, seed=0)
+    return LLM(**kwargs), LLM(**kwargs, enable_prefix_caching=False)
+
+
+def assert_same_prompt_logprobs(got, want):
+    assert len(got) == len(want) and got[0] is None and want[0] is None
+    for x, y in zip(got[1:], want[1:]):
+        assert list(x) == list(y)  # the prompt token, then the top k by rank
+        for token in x:
+            assert x[token].rank == y[token].rank
+            assert x[token].decoded_token == y[token].decoded_token
+            assert x[token].logprob == pytest.approx(y[token].logprob, abs=1e-5)
+
+
+def test_scoring_requests_skip_the_prefix_an_earlier_one_scored(engines):
+    cached, uncached = engines
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2)
+    before = cached.stats()["num_prompt_tokens_computed"]
+    first = cached.generate(PROMPTS[:1], params)[0]
+    later = cached.generate(PROMPTS[1:], params)
+    computed = cached.stats()["num_prompt_tokens_computed"] - before
+    # the shared blocks but the last are read: that one's last position scores the next token
+    assert first.num_cached_tokens == 0 and [o.num_cached_tokens for o in later] == [80, 80]
+    assert computed == sum(map(len, PROMPTS)) - 2 * 80
+    for out, ref in zip([first, *later], uncached.generate(PROMPTS, params)):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert_same_prompt_logprobs(out.prompt_logprobs, ref.prompt_logprobs)
+
+
+def test_another_k_computes_its_whole_prompt(engines):
+    cached, uncached = engines
+    cached.generate(PROMPTS[:1], SamplingParams(max_tokens=1, prompt_logprobs=1))
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=3)
+    out = cached.generate(PROMPTS[1:2], params)[0]
+    assert out.num_cached_tokens == 0
+    assert_same_prompt_logprobs(out.prompt_logprobs,
+                                uncached.generate(PROMPTS[1:2], params)[0].prompt_logprobs)
