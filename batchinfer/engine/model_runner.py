@@ -132,6 +132,7 @@ class ModelRunner:
         self.block_table = np.zeros((config.max_num_seqs, self.max_blocks_per_seq), dtype=np.int32)
         self.free_rows = list(range(config.max_num_seqs - 1, -1, -1))
         self.requests: dict[str, RunnerRequest] = {}
+        self.scoring: set[str] = set()  # the requests asking prompt logprobs
         gen = torch.Generator(device=device).manual_seed(config.seed)
         self.sampler = Sampler(gen)
         # decode steps replay CUDA graphs; the Triton backend reads all it needs from device
@@ -208,6 +209,7 @@ class ModelRunner:
     def _update_states(self, plan: SchedulerOutput) -> None:
         for req_id in plan.finished_req_ids:
             state = self.requests.pop(req_id, None)
+            self.scoring.discard(req_id)
             if state is not None and state.row >= 0:
                 self.free_rows.append(state.row)
         for req_id in plan.preempted_req_ids:
@@ -223,6 +225,8 @@ class ModelRunner:
                        if seed is not None else None)
                 state = RunnerRequest(list(new.token_ids), new.num_prompt_tokens, new.params, gen)
                 self.requests[new.req_id] = state
+                if new.params.prompt_logprobs is not None:
+                    self.scoring.add(new.req_id)
             else:
                 state.token_ids = list(new.token_ids)
             state.row = self.free_rows.pop()
@@ -317,8 +321,9 @@ class ModelRunner:
             hidden = self.model(ids_t, pos_t, meta, self.kv_caches)
 
         prompt_logprobs = None
-        if any(s.params.prompt_logprobs is not None for s in states[len(decodes):]):
-            prompt_logprobs = self._prompt_logprobs(hidden, states, order, starts, num_new, qsl)
+        if self.scoring:  # a one-token prompt chunk is among the decodes: all are looked at
+            prompt_logprobs = self._prompt_logprobs(hidden, states, order, starts, num_new,
+                                                    qsl) or None
         sample_mask = (starts + num_new) == np.array([len(s.token_ids) for s in states],
                                                      dtype=np.int64)
         sample_idx = np.nonzero(sample_mask)[0]

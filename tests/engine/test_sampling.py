@@ -551,6 +551,20 @@ def test_prompt_logprobs_survive_preemption(model_dir):
             assert lx.logprob == pytest.approx(y[tid].logprob, abs=1e-5)
 
 
+def test_a_one_token_prompt_chunk_scores_its_position(model_dir):
+    # A's 15 tokens leave one token of the 16-token budget: B's first chunk is one token,
+    # and a one-token chunk runs among the decodes
+    llm = LLM(model=str(model_dir), dtype="float32", block_size=16, max_num_batched_tokens=16)
+    a, b = list(range(5, 20)), list(range(100, 130))
+    scoring = SamplingParams(max_tokens=1, prompt_logprobs=1)
+    got = llm.generate([a, b], [SamplingParams(max_tokens=3), scoring])[1].prompt_logprobs
+    want = LLM(model=str(model_dir), dtype="float32").generate([b], scoring)[0].prompt_logprobs
+    assert got[0] is None and all(entry is not None for entry in got[1:])
+    for x, y in zip(got[1:], want[1:]):
+        assert list(x) == list(y)
+        assert all(x[t].logprob == pytest.approx(y[t].logprob, abs=1e-5) for t in x)
+
+
 # ---- prompt truncation ----------------------------------------------------------------
 
 def test_truncate_prompt_tokens_keeps_the_last_tokens(model_dir):
