@@ -61,7 +61,7 @@ class FlatLogprobs(Sequence):
 
     def section(self, a: int, b: int) -> FlatLogprobs:
         """Positions [a, b) copied into arrays, for keeping (the prefix cache's blocks keep
-        their prompt logprobs): about 24 bytes an entry, the strings shared."""
+        their prompt logprobs): about 32 bytes an entry, the strings shared."""
         out = FlatLogprobs.__new__(FlatLogprobs)
         lo, hi = self.starts[a], self.starts[b]
         out.starts = array("q", [s - lo for s in self.starts[a:b + 1]])

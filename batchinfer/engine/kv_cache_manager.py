@@ -13,6 +13,11 @@ from batchinfer.engine.request import Request
 from batchinfer.outputs import FlatLogprobs
 
 
+# Blocks keep prompt logprobs for k up to this (vLLM's default max_logprobs): about 32
+# bytes an entry, k + 1 entries a position. Requests asking more compute their whole prompt.
+KEPT_PROMPT_LOGPROBS = 20
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -47,12 +52,17 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of full blocks; the last token is always left to
-        compute, since its logits are needed. For a request asking prompt logprobs, only
-        blocks that keep them for its k count, and the last of those is computed again:
-        the hidden state of its last position scores the first token after it."""
+        compute, since its logits are needed. A request still to score prompt positions
+        (prompt logprobs) counts only blocks that keep them for its k, and computes the last
+        of those again: the hidden state of its last position scores the next token."""
         if not self.enable_caching:
             return [], 0
-        k = request.params.prompt_logprobs
+        recorded = request.prompt_logprobs
+        k = None
+        if recorded is not None and len(recorded) < request.num_prompt_tokens:
+            k = request.params.prompt_logprobs
+            if k > KEPT_PROMPT_LOGPROBS:
+                return [], 0  # no block keeps these: the whole prompt is computed
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits = []
         for h in self._hashes(request, max_blocks)[:max_blocks]:
@@ -67,12 +77,16 @@ class KVCacheManager:
 
     def cached_prompt_logprobs(self, request: Request, num_computed: int) -> FlatLogprobs | None:
         """The prompt logprobs a request asking them takes from the cache when its first
-        num_computed tokens are cache hits (get_computed_blocks): its positions from those
-        it has recorded up to num_computed (inclusive; that one is scored by the last hit
-        block's last position, which is not computed again), or None when there are none to
-        add. Read before allocate_slots, which may evict the block holding the last one."""
+        num_computed tokens are cache hits (get_computed_blocks): the prompt positions from
+        those it has recorded up to num_computed (inclusive: that one is scored by the last
+        hit block's last position, which is not computed again), or None when there are
+        none to add. Read before allocate_slots, which may evict the block holding the
+        last one."""
         recorded = request.prompt_logprobs
-        if recorded is None or num_computed < len(recorded):
+        if recorded is None:
+            return None
+        num_computed = min(num_computed, request.num_prompt_tokens - 1)
+        if num_computed < len(recorded):
             return None
         bs = self.block_size
         out = FlatLogprobs()
@@ -88,12 +102,15 @@ class KVCacheManager:
 
     def share_prompt_logprobs(self, request: Request) -> None:
         """Let the prefix cache's blocks keep the prompt logprobs the request has recorded
-        for their positions: each full prompt block once all its positions are in."""
+        for their positions: each full prompt block once all its positions are recorded and
+        it is registered in the cache (whichever comes last calls this)."""
         recorded = request.prompt_logprobs
-        if not self.enable_caching or recorded is None:
+        if (not self.enable_caching or recorded is None
+                or request.params.prompt_logprobs > KEPT_PROMPT_LOGPROBS):
             return
         bs = self.block_size
-        done = min(len(recorded), request.num_prompt_tokens) // bs
+        registered = self.num_cached_blocks.get(request.request_id, 0)
+        done = min(len(recorded) // bs, request.num_prompt_tokens // bs, registered)
         start = self.shared_logprob_blocks.get(request.request_id, 0)
         if done <= start:
             return
@@ -149,6 +166,8 @@ class KVCacheManager:
         for i in range(start, num_full):
             self.pool.cache_block(blocks[i], hashes[i])
         self.num_cached_blocks[request.request_id] = num_full
+        if request.prompt_logprobs is not None:
+            self.share_prompt_logprobs(request)
 
     def free(self, request: Request) -> None:
         request.kv_room = 0

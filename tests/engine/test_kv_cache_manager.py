@@ -2,7 +2,7 @@
 query-then-commit allocation, reference counts and the order blocks are given back."""
 from __future__ import annotations
 
-from batchinfer.engine.kv_cache_manager import KVCacheManager
+from batchinfer.engine.kv_cache_manager import KEPT_PROMPT_LOGPROBS, KVCacheManager
 from batchinfer.engine.request import Request
 from batchinfer.sampling_params import SamplingParams
 
@@ -287,3 +287,41 @@ def test_an_evicted_block_drops_its_prompt_logprobs():
     kv.free(a)
     kv.pool.allocate(4)  # every block, the cached ones evicted
     assert all(b.prompt_logprobs is None and b.block_hash is None for b in blocks)
+
+
+def test_a_block_recorded_before_it_is_registered_keeps_them_once_it_is():
+    kv = KVCacheManager(16, BS, enable_caching=True)
+    a = scoring_request("a", list(range(11)))
+    kv.allocate_slots(a, 7)  # a 7-token chunk: one full block registered
+    a.num_computed_tokens = 7
+    record(a, 8)  # the chunk's last position scores position 7: block 1 is all recorded
+    kv.share_prompt_logprobs(a)
+    blocks = kv.req_blocks["a"]
+    assert blocks[0].prompt_logprobs is not None and blocks[1].block_hash is None
+    kv.allocate_slots(a, 4)  # the rest: block 1 registered, and it keeps them then
+    assert list(blocks[1].prompt_logprobs[1]) == a.prompt_logprobs[4:8]
+
+
+def test_a_request_with_its_prompt_scored_reads_the_cache_as_any_other():
+    kv = KVCacheManager(16, BS, enable_caching=True)
+    a = scoring_request("a", list(range(13)))
+    commit(kv, a)
+    record(a, 13)
+    for token in (50, 51, 52, 53):  # generated after its prompt
+        a.append_token(token)
+    kv.free(a)  # preempted
+    hits, num_hit = kv.get_computed_blocks(a)
+    # all three blocks it computed, though none keeps prompt logprobs: it needs no more
+    assert num_hit == 12
+    assert kv.cached_prompt_logprobs(a, num_hit) is None
+
+
+def test_a_k_past_the_kept_limit_reads_and_keeps_nothing():
+    kv = KVCacheManager(16, BS, enable_caching=True)
+    k = KEPT_PROMPT_LOGPROBS + 1
+    a = scoring_request("a", list(range(13)), k=k)
+    commit(kv, a)
+    record(a, 13)
+    kv.share_prompt_logprobs(a)
+    assert all(b.prompt_logprobs is None for b in kv.req_blocks["a"])
+    assert kv.get_computed_blocks(scoring_request("b", list(range(14)), k=k)) == ([], 0)

@@ -50,3 +50,20 @@ def test_another_k_computes_its_whole_prompt(engines):
     assert out.num_cached_tokens == 0
     assert_same_prompt_logprobs(out.prompt_logprobs,
                                 uncached.generate(PROMPTS[1:2], params)[0].prompt_logprobs)
+
+
+def test_a_preempted_request_keeps_to_its_own_prompt_positions(llama_dir):
+    # B is X and the first 40 tokens X generates: scoring B leaves blocks keeping prompt
+    # logprobs past X's prompt, which X, preempted while generating, hits when it resumes
+    kwargs = dict(model=str(llama_dir), dtype="float32", block_size=16, seed=0)
+    x = list(range(5, 25))
+    greedy = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    ref = LLM(**kwargs, enable_prefix_caching=False).generate([x], greedy)[0]
+    b = x + ref.outputs[0].token_ids[:40]
+    llm = LLM(**kwargs, num_kv_blocks=11, max_num_seqs=2)
+    llm.generate([b], SamplingParams(max_tokens=1, prompt_logprobs=1))
+    plain = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    out = llm.generate([b, x], [plain, greedy])[1]
+    assert llm.stats()["num_preemptions"] > 0
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert_same_prompt_logprobs(out.prompt_logprobs, ref.prompt_logprobs)

@@ -544,6 +544,7 @@ def test_prompt_logprobs_survive_preemption(model_dir):
     fresh = LLM(model=str(model_dir), dtype="float32", enable_prefix_caching=False)
     alone = [fresh.generate([p], params)[0] for p in prompts]
     for a, b in zip(outs, alone):
+        assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == len(a.prompt_token_ids)
         assert all(x is None for x in (a.prompt_logprobs[0], b.prompt_logprobs[0]))
         for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
             assert x.keys() == y.keys() and len(x) == 1
