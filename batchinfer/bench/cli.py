@@ -128,6 +128,12 @@ DATASET_FLAGS = ("dataset_name", "dataset_path", "input_len", "output_len", "ran
 @click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0)
 @click.option("--top-k", type=click.IntRange(min=0), default=0, help="0: off.")
 @click.option("--min-p", type=click.FloatRange(0, 1), default=0.0)
+@click.option("--logprobs", type=click.IntRange(min=0), default=None,
+              help="Our engine keeps the top K logprobs of every output token (vLLM's "
+                   "SamplingParams.logprobs); not with --baseline hf.")
+@click.option("--prompt-logprobs", type=click.IntRange(min=0), default=None,
+              help="Our engine keeps the top K logprobs of every prompt token, as a "
+                   "scoring run does; not with --baseline hf.")
 @click.option("--baseline", type=click.Choice(["none", "hf"]), default="none",
               help="hf: the same prompts through transformers (static batching and, where "
                    "the installed version has it, continuous batching).")

@@ -62,7 +62,8 @@ def build_requests(opts: dict, vocab_size: int, tokenize) -> tuple[str, list[Ben
 
 
 def _sampling(opts: dict) -> Sampling:
-    return Sampling(opts["temperature"], opts["top_p"], opts["top_k"], opts["min_p"])
+    return Sampling(opts["temperature"], opts["top_p"], opts["top_k"], opts["min_p"],
+                    opts["logprobs"], opts["prompt_logprobs"])
 
 
 def _check_fits(requests: list[BenchRequest], max_model_len: int, kv_tokens: int) -> None:
@@ -142,6 +143,10 @@ def run_bench(opts: dict) -> dict:
     if opts["compare_prefix_caching"] and not opts["enable_prefix_caching"]:
         raise ValueError("--compare-prefix-caching runs caching on and off; "
                          "drop --no-prefix-caching")
+    if opts["baseline"] == "hf" and (opts["logprobs"] is not None
+                                     or opts["prompt_logprobs"] is not None):
+        raise ValueError("the transformers baseline keeps no logprobs; drop --logprobs / "
+                         "--prompt-logprobs or --baseline hf")
     source = resolve_model(opts["model"], need_weights=opts["baseline"] == "hf",
                            cache_dir=opts["cache_dir"], load_format=opts["load_format"])
     summary, facts = _run_ours(source, opts, opts["enable_prefix_caching"])

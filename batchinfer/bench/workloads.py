@@ -32,17 +32,21 @@ class BenchRequest:
 @dataclass(frozen=True)
 class Sampling:
     """How every request of a run picks its tokens: greedy (temperature 0) unless set;
-    top_k 0, top_p 1 and min_p 0 are off."""
+    top_k 0, top_p 1 and min_p 0 are off. logprobs / prompt_logprobs: our engine also
+    keeps the top k of each output / prompt token (None: not asked)."""
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def engine_params(self, output_len: int):
         """Our engine's SamplingParams: exactly output_len tokens."""
         from batchinfer.sampling_params import SamplingParams
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              min_p=self.min_p, max_tokens=output_len, ignore_eos=True)
+                              min_p=self.min_p, max_tokens=output_len, ignore_eos=True,
+                              logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs)
 
     def hf_generation_kwargs(self) -> dict:
         """The same settings as transformers' GenerationConfig fields (its top_k is 50

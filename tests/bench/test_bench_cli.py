@@ -84,6 +84,32 @@ def test_prefix_repetition_hits_cache_only_with_caching_on(cache_dir):
     assert no_cache["prefix_cache_hit_rate"] == 0 and no_cache["prefix_caching"] is False
 
 
+def test_scoring_runs_read_the_prompt_logprobs_cached_blocks_keep(cache_dir, monkeypatch):
+    """--prompt-logprobs / --logprobs reach every request; with a budget that admits the
+    prompts over several steps, later prompts of a prefix read its blocks (but the last)."""
+    from batchinfer.engine.engine import LLMEngine
+    params = []
+    add_request = LLMEngine.add_request
+    monkeypatch.setattr(LLMEngine, "add_request", lambda self, request_id, prompt, sampling,
+                        **kw: params.append((request_id, sampling))
+                        or add_request(self, request_id, prompt, sampling, **kw))
+    _, summary = run_bench(
+        cache_dir, "--num-prompts", "6", "--dataset-name", "prefix_repetition",
+        "--prefix-repetition-prefix-len", "48", "--prefix-repetition-suffix-len", "8",
+        "--prefix-repetition-num-prefixes", "2", "--prefix-repetition-output-len", "3",
+        "--max-num-batched-tokens", "64", "--prompt-logprobs", "2", "--logprobs", "1",
+        "--compare-prefix-caching")
+    assert summary["sampling"]["prompt_logprobs"] == 2 and summary["sampling"]["logprobs"] == 1
+    assert {(p.prompt_logprobs, p.logprobs) for rid, p in params if rid != "bench-warmup"} \
+        == {(2, 1)}
+    off = summary["prefix_caching_off"]
+    assert off["prefill_tokens_computed"] == summary["prompt_tokens"] == 6 * 56
+    cached = summary["cached_prompt_tokens"]
+    # each later prompt of a prefix reads 2 of its 3 full blocks
+    assert 0 < cached <= 4 * 32 and cached % 32 == 0
+    assert summary["prefill_tokens_computed"] == 6 * 56 - cached
+
+
 def test_hf_baseline_reports_ratios(cache_dir):
     out, summary = run_bench(cache_dir, "--num-prompts", "4", "--input-len", "16",
                              "--output-len", "4", "--baseline", "hf", "--hf-batch-sizes", "2,4")
@@ -135,7 +161,8 @@ def test_sampling_flags_reach_both_systems(cache_dir, monkeypatch):
     _, summary = run_bench(cache_dir, "--num-prompts", "4", "--input-len", "16",
                            "--output-len", "4", "--baseline", "hf", "--hf-batch-sizes", "4",
                            "--temperature", "0.7", "--top-p", "0.9", "--top-k", "0")
-    assert summary["sampling"] == {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "min_p": 0.0}
+    assert summary["sampling"] == {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "min_p": 0.0,
+                                   "logprobs": None, "prompt_logprobs": None}
     ours = [p for rid, p in params if rid != "bench-warmup"]
     assert len(ours) == 4 and all((p.temperature, p.top_p, p.top_k) == (0.7, 0.9, 0)
                                   for p in ours)
@@ -225,6 +252,8 @@ def test_a_failed_request_is_a_usage_error(cache_dir, tmp_path):
     (["--device", "cuda:99"], "device 'cuda:99'"),
     (["--workload", "shared-prefix", "--dataset-name", "random"], "drop --dataset-name"),
     (["--model-stub", "--baseline", "hf"], "drop --baseline"),
+    (["--baseline", "hf", "--prompt-logprobs", "1"], "keeps no logprobs"),
+    (["--logprobs", "-1"], "--logprobs"),
     (["--num-runs", "0"], "--num-runs"),
     (["--top-p", "0"], "--top-p"),
     (["--temperature", "-1"], "--temperature"),
