@@ -238,6 +238,15 @@ def record(req: Request, upto: int) -> None:
         recorded.add(token, [token, 1000 + p], [-0.5 - p, -1.5 - p, -0.5 - p], 1, 1, str)
 
 
+def scored(kv: KVCacheManager, request_id: str, n: int, k: int = 1) -> Request:
+    """A scoring request of tokens 0 .. n - 1, computed, its prompt recorded and shared."""
+    req = scoring_request(request_id, list(range(n)), k)
+    commit(kv, req)
+    record(req, n)
+    kv.share_prompt_logprobs(req)
+    return req
+
+
 def test_blocks_keep_the_prompt_logprobs_of_their_positions_once_all_are_recorded():
     kv = KVCacheManager(16, BS, enable_caching=True)
     a = scoring_request("a", list(range(11)))  # 2 full blocks + 3 tokens
@@ -255,10 +264,7 @@ def test_blocks_keep_the_prompt_logprobs_of_their_positions_once_all_are_recorde
 
 def test_a_scoring_request_reads_blocks_with_its_k_and_computes_the_last_again():
     kv = KVCacheManager(16, BS, enable_caching=True)
-    a = scoring_request("a", list(range(13)))
-    commit(kv, a)
-    record(a, 13)
-    kv.share_prompt_logprobs(a)
+    a = scored(kv, "a", 13)
     b = scoring_request("b", list(range(12)) + [99, 98])  # 3 full blocks shared
     hits, num_hit = kv.get_computed_blocks(b)
     # the third block's last position scores b's position 12: it is computed again
@@ -278,10 +284,7 @@ def test_blocks_a_plain_request_cached_keep_no_prompt_logprobs():
 
 def test_an_evicted_block_drops_its_prompt_logprobs():
     kv = KVCacheManager(4, BS, enable_caching=True)
-    a = scoring_request("a", list(range(9)))
-    commit(kv, a)
-    record(a, 9)
-    kv.share_prompt_logprobs(a)
+    a = scored(kv, "a", 9)
     blocks = kv.req_blocks["a"]
     assert all(b.prompt_logprobs is not None for b in blocks[:2])
     kv.free(a)
@@ -319,9 +322,6 @@ def test_a_request_with_its_prompt_scored_reads_the_cache_as_any_other():
 def test_a_k_past_the_kept_limit_reads_and_keeps_nothing():
     kv = KVCacheManager(16, BS, enable_caching=True)
     k = KEPT_PROMPT_LOGPROBS + 1
-    a = scoring_request("a", list(range(13)), k=k)
-    commit(kv, a)
-    record(a, 13)
-    kv.share_prompt_logprobs(a)
+    scored(kv, "a", 13, k)
     assert all(b.prompt_logprobs is None for b in kv.req_blocks["a"])
     assert kv.get_computed_blocks(scoring_request("b", list(range(14)), k=k)) == ([], 0)
