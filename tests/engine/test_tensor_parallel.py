@@ -96,7 +96,8 @@ def test_one_parallel_engine_per_process_and_a_dead_worker(llama_dir):
 
 
 _KILL_WHILE_JOINING = """
-import sys, time
+import faulthandler, sys, time
+faulthandler.dump_traceback_later(240, exit=True)  # a hang shows where, before the timeout
 from batchinfer import LLM
 from batchinfer.engine import tensor_parallel
 
@@ -122,8 +123,12 @@ def test_a_worker_dying_while_the_group_forms_fails_the_start(llama_dir):
     # rendezvous timeout (30 minutes). Killed inside the join, or just after it (rank 0's
     # first collective then breaks): either way a WorkerError within seconds. In a process
     # of its own: a join that rank 0 gives up stays blocked until it times out.
-    done = subprocess.run([sys.executable, "-c", _KILL_WHILE_JOINING, str(llama_dir)],
-                          capture_output=True, text=True, timeout=300)
+    try:
+        done = subprocess.run([sys.executable, "-u", "-c", _KILL_WHILE_JOINING, str(llama_dir)],
+                              capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired as e:  # whether it hung before its answer or after
+        out, err = (x.decode() if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr))
+        pytest.fail(f"no exit within 300 s; stdout: {out!r}; stderr: {err[-3000:]}")
     assert done.returncode == 0, done.stderr[-2000:]
     seconds, message = done.stdout.strip().splitlines()[-1].split(" ", 1)
     assert float(seconds) < 60
