@@ -4,10 +4,9 @@ A loaded engine holds a few hundred thousand objects the collector tracks (torch
 transformers and the tokenizer bring most of them), and a run that allocates many small
 ones (requests, outputs, their per-token bookkeeping; logprobs too, before they were kept
 flat: see outputs.FlatLogprobs) sets off full collections that walk all of them, again and
-again. Frozen for the run (gc.freeze()),
-they are left out of every collection; unfrozen at its end, so an engine shut down later
-is collected as before. Both calls take constant time. (vLLM freezes its startup heap the
-same way.)
+again. Frozen for the run (gc.freeze()), they are left out of every collection; unfrozen
+at its end, so an engine shut down later is collected as before. Both calls take constant
+time. (vLLM freezes its startup heap the same way.)
 """
 from __future__ import annotations
 

@@ -104,9 +104,8 @@ class KVCacheManager:
         """Let the prefix cache's blocks keep the prompt logprobs the request has recorded
         for their positions: each full prompt block once all its positions are recorded and
         it is registered in the cache (whichever comes last calls this)."""
-        recorded = request.prompt_logprobs
-        if (not self.enable_caching or recorded is None
-                or request.params.prompt_logprobs > KEPT_PROMPT_LOGPROBS):
+        recorded, k = request.prompt_logprobs, request.params.prompt_logprobs
+        if not self.enable_caching or recorded is None or k > KEPT_PROMPT_LOGPROBS:
             return
         bs = self.block_size
         registered = self.num_cached_blocks.get(request.request_id, 0)
@@ -114,7 +113,6 @@ class KVCacheManager:
         start = self.shared_logprob_blocks.get(request.request_id, 0)
         if done <= start:
             return
-        k = request.params.prompt_logprobs
         for b, h in enumerate(self._hashes(request, done)[start:done], start):
             block = self.pool.get_cached(h)
             if block is not None and block.prompt_logprobs is None:
