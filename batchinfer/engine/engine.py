@@ -122,9 +122,11 @@ class LLMEngine:
 
     # ---- requests --------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, *,
+                    prompt_token_ids: list[int] | None = None) -> None:
         """Queue a prompt. A bad prompt does not raise: it comes back from step() as an
-        output with .error set and finish_reason "error"."""
+        output with .error set and finish_reason "error". `prompt_token_ids`: a text
+        prompt's ids, already encoded (encode_prompts); the text is kept for the output."""
         # n > 1 samples run as requests "ID#0", "ID#1", ...: none may share an id either
         child_ids = ([request_id] if params.n == 1
                      else [f"{request_id}#{i}" for i in range(params.n)])
@@ -138,7 +140,8 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         token_ids: list[int] = []
         try:
-            token_ids = self._truncate(self._prompt_token_ids(prompt), params)
+            token_ids = self._truncate(self._prompt_token_ids(
+                prompt if prompt_token_ids is None else prompt_token_ids), params)
             self.check_params(params)
             params = self._resolve_choices(params)
             if len(token_ids) >= self.max_model_len:
@@ -456,6 +459,29 @@ class LLMEngine:
         Jinja `chat_template`), with `chat_template_kwargs` as extra template variables
         (e.g. {"enable_thinking": False} for Qwen3). `continue_final_message` leaves the
         last message open for the model to continue, instead of starting a new turn."""
+        text = self.render_chat_text(messages, add_generation_prompt, chat_template=chat_template,
+                                     chat_template_kwargs=chat_template_kwargs,
+                                     continue_final_message=continue_final_message)
+        return self.encode_prompts([text], add_special_tokens=False)[0]
+
+    def encode_prompts(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Token ids of many texts in one tokenizer call, the same ids as encoding each
+        alone: a fast (Rust) tokenizer encodes the batch on all cores without the GIL.
+        Rendered chats take add_special_tokens=False (the template wrote them); a text that
+        is not valid Unicode raises ValueError."""
+        for text in texts:
+            _check_unicode(text, "prompt")
+        if not texts:
+            return []
+        return self.tokenizer(texts, add_special_tokens=add_special_tokens,
+                              return_attention_mask=False,
+                              return_token_type_ids=False)["input_ids"]
+
+    def render_chat_text(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                         chat_template: str | None = None,
+                         chat_template_kwargs: dict | None = None,
+                         continue_final_message: bool = False) -> str:
+        """render_chat's conversation as text, before tokenizing (see encode_prompts)."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
         messages = [_text_message(m) for m in messages]
@@ -475,7 +501,7 @@ class LLMEngine:
                 raise
             raise ValueError(f"the chat template failed: {type(e).__name__}: {e}") from None
         _check_unicode(text, "the conversation")  # roles and content parts included
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return text
 
 
 # apply_chat_template's own arguments: not template variables
