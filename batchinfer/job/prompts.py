@@ -8,6 +8,7 @@ sampling settings. A row that cannot become a request becomes a WorkItem with an
 from __future__ import annotations
 
 import json
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,8 @@ OPENAI_SAMPLING = {
 }
 _TEXT_TYPES = (pa.string(), pa.large_string(), pa.null())
 
-RenderChat = Callable[..., list[int]]  # (messages, chat_template_kwargs=...) -> token ids
+RenderChat = Callable[..., str]  # (messages, chat_template_kwargs=...) -> rendered text
+Encode = Callable[[list[str], bool], list[list[int]]]  # (texts, add_special_tokens) -> ids
 
 
 @dataclass(frozen=True)
@@ -121,28 +123,71 @@ def check_kinds(spec: PromptSpec, kinds: set[str]) -> None:
 class WorkItem:
     row: InputRow
     row_id: Any
-    prompt: str | list[int] | None = None
+    # the prompt's token ids, 4 bytes a token while the row waits in the reorder window
+    prompt: array | None = None
     params: SamplingParams | None = None
     error: str | None = None
 
     @property
-    def sort_key(self) -> tuple:
-        """Requests sharing a prefix sort next to each other (text and token ids apart)."""
-        return (0, self.prompt) if isinstance(self.prompt, str) else (1, self.prompt)
+    def sort_key(self) -> array:
+        """Requests sharing a prefix sort next to each other (arrays compare as lists)."""
+        return self.prompt
+
+
+@dataclass(slots=True)
+class _Text:
+    """A prompt still to tokenize: encoded with the rest of its batch in one call."""
+    text: str
+    add_special_tokens: bool  # False for a rendered chat: the template wrote them
 
 
 class PromptBuilder:
-    """Turns input rows into WorkItems; `render_chat` is the engine's chat template."""
+    """Turns input rows into WorkItems. `render_chat` renders a conversation to text with
+    the engine's chat template; `encode` tokenizes a list of texts at once (the engine's
+    encode_prompts)."""
 
     def __init__(self, spec: PromptSpec, params: SamplingParams, system_prompt: str | None,
-                 render_chat: RenderChat, chat_template_kwargs: dict | None = None):
+                 render_chat: RenderChat, encode: Encode,
+                 chat_template_kwargs: dict | None = None):
         self.spec = spec
         self.params = params
         self.system_prompt = system_prompt
         self.render_chat = render_chat
+        self.encode = encode
         self.chat_template_kwargs = chat_template_kwargs or {}
 
     def build(self, row: InputRow) -> WorkItem:
+        return self.build_batch([row])[0]
+
+    def build_batch(self, rows: list[InputRow]) -> list[WorkItem]:
+        """One WorkItem per row, in order. Texts are tokenized together, one tokenizer call
+        for the batch (a prompt such as a long shared system prompt costs its tokenization
+        on every row, and a fast tokenizer spreads a batch over the cores)."""
+        items = [self._prepare(row) for row in rows]
+        for add_special in (True, False):
+            pending = [item for item in items if isinstance(item.prompt, _Text)
+                       and item.prompt.add_special_tokens == add_special]
+            if not pending:
+                continue
+            texts = [item.prompt.text for item in pending]
+            try:
+                encoded = self.encode(texts, add_special)
+            except ValueError:  # find the row(s) at fault; the others still encode
+                encoded = [self._encode_one(item, add_special) for item in pending]
+            for item, ids in zip(pending, encoded):
+                item.prompt = None if ids is None else array("i", ids)
+        return items
+
+    def _encode_one(self, item: WorkItem, add_special: bool) -> list[int] | None:
+        try:
+            return self.encode([item.prompt.text], add_special)[0]
+        except ValueError as e:
+            item.error = str(e)
+            return None
+
+    def _prepare(self, row: InputRow) -> WorkItem:
+        """The row's WorkItem, its prompt a _Text still to encode, token ids (an OpenAI
+        prompt given as ids) or None with the error set."""
         spec = self.spec
         if spec.id_column is None:
             item = WorkItem(row, row.index)
@@ -157,16 +202,18 @@ class PromptBuilder:
         value = row.values.get(spec.column)
         try:
             if spec.mode == "prompt":
-                item.prompt, item.params = self._from_text(value), self.params
+                prompt, item.params = self._from_text(value), self.params
             elif spec.mode == "messages":
-                item.prompt, item.params = self._from_messages(value), self.params
+                prompt, item.params = self._from_messages(value), self.params
             else:
-                item.prompt, item.params = self._from_openai(value, row.values.get("url"))
+                prompt, item.params = self._from_openai(value, row.values.get("url"))
         except ValueError as e:
             item.error = str(e)
+            return item
+        item.prompt = prompt if isinstance(prompt, _Text) else array("i", prompt)
         return item
 
-    def _from_text(self, value: Any, what: str = "prompt") -> str | list[int]:
+    def _from_text(self, value: Any, what: str = "prompt") -> _Text:
         if value is None:
             raise ValueError(f"{what} is missing (column {self.spec.column!r} is null)"
                              if what == "prompt" else f"{what} is missing")
@@ -175,10 +222,10 @@ class PromptBuilder:
         if not value.strip():
             raise ValueError(f"{what} is empty")
         if self.system_prompt is None:
-            return value
+            return _Text(value, True)
         return self._render([{"role": "user", "content": value}])
 
-    def _from_messages(self, value: Any, template_kwargs: dict | None = None) -> list[int]:
+    def _from_messages(self, value: Any, template_kwargs: dict | None = None) -> _Text:
         if isinstance(value, str):
             try:
                 value = json.loads(value)
@@ -195,16 +242,16 @@ class PromptBuilder:
         messages = [{k: v for k, v in m.items() if v is not None} for m in value]
         return self._render(messages, template_kwargs)
 
-    def _render(self, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
+    def _render(self, messages: list[dict], template_kwargs: dict | None = None) -> _Text:
         if self.system_prompt is not None and messages[0].get("role") != "system":
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
         kwargs = {**self.chat_template_kwargs, **(template_kwargs or {})}
         try:
-            return self.render_chat(messages, chat_template_kwargs=kwargs)
+            return _Text(self.render_chat(messages, chat_template_kwargs=kwargs), False)
         except ValueError as e:
             raise ValueError(f"invalid messages: {e}") from None
 
-    def _from_openai(self, body: Any, url: Any) -> tuple[str | list[int], SamplingParams]:
+    def _from_openai(self, body: Any, url: Any) -> tuple[_Text | list[int], SamplingParams]:
         if isinstance(body, str):
             try:
                 body = json.loads(body)
@@ -223,6 +270,8 @@ class PromptBuilder:
             return self._from_messages(body["messages"], row_kwargs), params
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            if any(isinstance(t, bool) or not 0 <= t < 2 ** 31 for t in prompt):
+                raise ValueError("body.prompt token ids must be integers in [0, vocab size)")
             return prompt, params
         if isinstance(prompt, list):
             raise ValueError("body.prompt must be one text (or one list of token ids); put "

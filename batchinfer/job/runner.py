@@ -240,8 +240,9 @@ class _Loop:
         params = options.sampling_params()
         self.builder = PromptBuilder(
             plan.spec, params, options.system_prompt_text(),
-            functools.partial(engine.render_chat, chat_template=options.chat_template_text()),
-            options.template_kwargs())
+            functools.partial(engine.render_chat_text,
+                              chat_template=options.chat_template_text()),
+            engine.encode_prompts, options.template_kwargs())
         self.window: ReorderWindow[WorkItem] = ReorderWindow(options.reorder_window)
         self.target = max(1, 2 * engine.config.max_num_seqs // params.n)
         self.batches = source.batches(plan.input_schema, plan.json_columns, done, options.limit,
@@ -281,8 +282,7 @@ class _Loop:
             if batch is None:
                 self.exhausted = True
                 return
-            for row in batch:
-                item = self.builder.build(row)
+            for item in self.builder.build_batch(batch):
                 if item.error is None:
                     self.window.push(item.sort_key, item)
                 else:
@@ -297,7 +297,7 @@ class _Loop:
             if params.prompt_logprobs is not None and not self.prompt_logprobs:
                 # an OpenAI line's ask, in a job whose output predates the columns
                 params = params.clone(prompt_logprobs=None)
-            self.engine.add_request(request_id, item.prompt, params)
+            self.engine.add_request(request_id, item.prompt.tolist(), params)
             self.inflight[request_id] = item
 
     def step(self) -> None:

@@ -84,11 +84,15 @@ class FakeEngine:
                 "num_preemptions": 0, "num_free_blocks": 0, "num_total_blocks": 0,
                 "num_running": 0, "num_waiting": len(self._queue), "kv_cache_usage": 0.0}
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def render_chat_text(self, messages: list[dict], add_generation_prompt: bool = True,
+                         **kwargs: Any) -> str:
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
         for m in messages:
             if not (isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
                 raise ValueError("each message must be a dict with string 'role' and 'content'")
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
-        return self.tokenizer.encode(text + ("<assistant>" if add_generation_prompt else ""))
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+    def encode_prompts(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        return [self.tokenizer.encode(t) for t in texts]
