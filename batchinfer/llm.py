@@ -35,16 +35,30 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        encoded = self._encode_texts(prompts)
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
                 request_id = str(next(self._ids))
-                self.llm_engine.add_request(request_id, prompt, p)
+                self.llm_engine.add_request(request_id, prompt, p,
+                                            prompt_token_ids=encoded.get(i))
                 ids.append(request_id)
         except BaseException:  # a bad argument or Ctrl-C part way: the added ones go too
             self.llm_engine.abort_request(ids)
             raise
         return self._run(ids, use_tqdm)
+
+    def _encode_texts(self, prompts: list) -> dict[int, list[int]]:
+        """The ids of the text prompts, by position, from one tokenizer call; empty when
+        one cannot be encoded (add_request then reports it, and encodes the others)."""
+        texts = {i: p for i, p in enumerate(prompts) if isinstance(p, str) and p}
+        if not texts:
+            return {}
+        try:
+            encoded = self.llm_engine.encode_prompts(list(texts.values()))
+        except ValueError:
+            return {}
+        return dict(zip(texts, encoded))
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = False,
              add_generation_prompt: bool = True, *, chat_template: str | None = None,
@@ -56,11 +70,14 @@ class LLM:
         {"enable_thinking": False}; `continue_final_message` continues the last message
         (pass add_generation_prompt=False with it)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.llm_engine.render_chat(
+        engine = self.llm_engine
+        texts = [engine.render_chat_text(
             c, add_generation_prompt, chat_template=chat_template,
             chat_template_kwargs=chat_template_kwargs,
             continue_final_message=continue_final_message) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        # one tokenizer call for all of them (the template wrote the special tokens)
+        return self.generate(engine.encode_prompts(texts, add_special_tokens=False),
+                             sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -27,6 +27,26 @@ def test_text_and_token_prompts_agree(llm):
                                                        skip_special_tokens=True)
 
 
+def test_text_prompts_are_tokenized_in_one_call(llm, monkeypatch):
+    engine, calls = llm.llm_engine, []
+    encode = engine.encode_prompts
+
+    def counting(texts, *args, **kwargs):
+        calls.append(len(texts))
+        return encode(texts, *args, **kwargs)
+    monkeypatch.setattr(engine, "encode_prompts", counting)
+    texts = ["The quick brown fox", " jumps over", "the lazy dog."]
+    outs = llm.generate([texts[0], [1, 2, 3], texts[1], texts[2]], GREEDY)
+    assert calls == [3]
+    assert [o.prompt for o in outs] == [texts[0], None, texts[1], texts[2]]
+    tokenizer = llm.get_tokenizer()
+    assert [outs[i].prompt_token_ids for i in (0, 2, 3)] == [tokenizer.encode(t) for t in texts]
+    chats = [[{"role": "user", "content": t}] for t in texts]
+    assert ([o.prompt_token_ids for o in llm.chat(chats, GREEDY)]
+            == [engine.render_chat(c) for c in chats])
+    assert calls[1:] == [3] + [1] * 3  # chat's one call; render_chat's one each
+
+
 def test_single_prompt_and_order(llm):
     prompts = [[1, 5 + i, 9] for i in range(10)]
     outs = llm.generate(prompts, GREEDY)
