@@ -13,17 +13,20 @@ import torch
 from batchinfer.model import cpu_linear
 
 # Dense (no sparsity) peaks per device name fragment: (bf16/fp16 FLOP/s, fp32 FLOP/s, bytes/s).
-# Checked in order, so the more specific names come first.
+# Checked in order, so a name that contains another comes first (GH200 before H200, L40S
+# and L40 before L4).
 DEVICE_PEAKS: list[tuple[str, float, float, float]] = [
+    ("GH200", 989e12, 67e12, 4.0e12),
     ("H200", 989e12, 67e12, 4.8e12),
     ("H100 PCIe", 756e12, 51e12, 2.0e12),
+    ("H100 NVL", 835e12, 60e12, 3.9e12),
     ("H100", 989e12, 67e12, 3.35e12),
-    ("GH200", 989e12, 67e12, 4.0e12),
     ("B200", 2250e12, 80e12, 8.0e12),
     ("A100-SXM4-80GB", 312e12, 19.5e12, 2.039e12),
     ("A100 80GB PCIe", 312e12, 19.5e12, 1.935e12),
     ("A100", 312e12, 19.5e12, 1.555e12),
     ("L40S", 362e12, 91.6e12, 0.864e12),
+    ("L40", 181e12, 90.5e12, 0.864e12),
     ("L4", 121e12, 30.3e12, 0.3e12),
     ("A10", 125e12, 31.2e12, 0.6e12),
 ]
@@ -36,15 +39,19 @@ class DevicePeak:
     bytes_per_s: float
 
 
-def device_peak(device: torch.device, dtype: torch.dtype) -> DevicePeak | None:
-    """The device's dense peak for dtype, or None on CPU or an unknown GPU."""
+def device_peak(device: torch.device, dtype: torch.dtype,
+                num_devices: int = 1) -> DevicePeak | None:
+    """The dense peak for dtype of num_devices devices like `device` together (a
+    tensor-parallel group), or None on CPU or an unknown GPU."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
     for fragment, half_peak, fp32_peak, bandwidth in DEVICE_PEAKS:
         if fragment in name:
             flops = fp32_peak if dtype == torch.float32 else half_peak
-            return DevicePeak(name, flops, bandwidth)
+            if num_devices > 1:
+                name = f"{num_devices} x {name}"
+            return DevicePeak(name, flops * num_devices, bandwidth * num_devices)
     return None
 
 
@@ -107,6 +114,12 @@ class WeightBytes:
     experts: int = 0       # every expert of every MoE layer
     num_experts: int = 1
     top_k: int = 0
+
+    def across(self, ranks: int) -> "WeightBytes":
+        """What `ranks` tensor-parallel ranks read together, from one rank's share (each
+        holds an equal slice; the few replicated norm weights are counted on every rank)."""
+        return WeightBytes(self.dense * ranks, self.experts * ranks, self.num_experts,
+                           self.top_k)
 
     def read_by(self, batch: int) -> float:
         """Bytes for a step of `batch` sequences; with experts, the expected share of them

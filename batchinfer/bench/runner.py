@@ -103,13 +103,17 @@ def _run_ours(source: ModelSource, opts: dict, enable_prefix_caching: bool,
         warm_up(engine, shape.vocab_size, opts["seed"])
         run = run_workload(engine, requests, _sampling(opts))
         num_blocks = engine.stats().get("num_total_blocks")
+        # bandwidth and MFU of the whole tensor-parallel group: the shape's KV bytes and
+        # FLOPs are the whole model's, this rank's weights one slice of them
+        ranks = engine.config.tensor_parallel_size
         summary = report.engine_summary(
             run, block_size=opts["block_size"], num_kv_blocks=num_blocks, shape=shape,
-            weight_bytes=weight_bytes_read_per_step(model, shape, tied), dtype=param.dtype,
-            peak=device_peak(param.device, param.dtype))
+            weight_bytes=weight_bytes_read_per_step(model, shape, tied).across(ranks),
+            dtype=param.dtype, peak=device_peak(param.device, param.dtype, ranks))
         summary["prefix_caching"] = enable_prefix_caching
     finally:
         engine.shutdown()
+        runner = model = param = None  # nothing may hold the engine's memory past here
         del engine
         _release_memory()
     return summary, facts

@@ -294,6 +294,32 @@ def test_engine_flags_reach_the_engine(cache_dir):
     assert engine["trust_remote_code"] is False and engine["tokenizer"] is None
 
 
+def test_tensor_parallel_bandwidth_and_mfu_are_the_groups(cache_dir, monkeypatch):
+    # Rank 0's model holds a slice of the weights, the shape's KV bytes and FLOPs are the
+    # whole model's: both are reported for the whole group, against its devices' peaks
+    # together. Run on CPU as if on an H200, so that the figures are computed.
+    from batchinfer.bench import report, roofline, runner
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(runner, "device_peak", lambda device, dtype, num_devices=1:
+                        roofline.device_peak(torch.device("cuda"), dtype, num_devices))
+    seen = []
+    summary_of = report.engine_summary
+    monkeypatch.setattr(report, "engine_summary",
+                        lambda run, **kw: seen.append(kw) or summary_of(run, **kw))
+    for tp in ("1", "2"):
+        _, summary = run_bench(cache_dir, "--num-prompts", "2", "--input-len", "8",
+                               "--output-len", "3", "--dtype", "bfloat16",
+                               "--tensor-parallel-size", tp)
+        assert summary["prefill_mfu"] == pytest.approx(
+            summary["prefill_tflops_per_s"] * 1e12 / (int(tp) * 989e12))
+        assert summary["decode_bandwidth_fraction_of_peak"] == pytest.approx(
+            summary["decode_bandwidth_gb_per_s"] * 1e9 / (int(tp) * 4.8e12))
+    whole, group = (kw["weight_bytes"].dense for kw in seen)
+    # the same model's weights, counted once over the two ranks (norms are replicated)
+    assert group == pytest.approx(whole, rel=0.01)
+    assert [kw["peak"].name for kw in seen] == ["NVIDIA H200", "2 x NVIDIA H200"]
+
+
 def test_load_format_dummy_skips_a_directorys_weights(cache_dir, tmp_path):
     # a checkpoint directory whose weights file is unreadable: only dummy can run it
     import shutil

@@ -1,4 +1,5 @@
-"""Summary arithmetic on a hand-made run: slot utilisation, decode bandwidth, prefill MFU."""
+"""Summary arithmetic on a hand-made run: slot utilisation, decode bandwidth, prefill MFU,
+and the device peaks they are measured against."""
 from __future__ import annotations
 
 import pytest
@@ -6,7 +7,7 @@ import torch
 
 from batchinfer.bench.engine_run import EngineRun, StepSample
 from batchinfer.bench.report import engine_summary, summary_lines
-from batchinfer.bench.roofline import DevicePeak, ModelShape, WeightBytes
+from batchinfer.bench.roofline import DevicePeak, ModelShape, WeightBytes, device_peak
 
 SHAPE = ModelShape(num_layers=2, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4,
                    intermediate_size=16, vocab_size=10)
@@ -86,3 +87,26 @@ def test_moe_decode_reads_the_share_of_experts_a_batch_hits():
     assert w.read_by(0) == 100
     assert 100 + 1600 * 0.99 < w.read_by(64) < 1700     # a large batch reaches every expert
     assert WeightBytes(dense=100).read_by(64) == 100
+
+
+@pytest.mark.parametrize("name, bandwidth, half", [
+    ("NVIDIA GH200 480GB", 4.0e12, 989e12), ("NVIDIA H200", 4.8e12, 989e12),
+    ("NVIDIA H100 NVL", 3.9e12, 835e12), ("NVIDIA H100 80GB HBM3", 3.35e12, 989e12),
+    ("NVIDIA L40", 0.864e12, 181e12), ("NVIDIA L40S", 0.864e12, 362e12),
+    ("NVIDIA L4", 0.3e12, 121e12)])
+def test_device_peaks_match_the_most_specific_name(monkeypatch, name, bandwidth, half):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    peak = device_peak(torch.device("cuda"), torch.bfloat16)
+    assert (peak.name, peak.bytes_per_s, peak.flops_per_s) == (name, bandwidth, half)
+    # a tensor-parallel group: its devices' peaks together
+    group = device_peak(torch.device("cuda"), torch.bfloat16, num_devices=4)
+    assert (group.name, group.bytes_per_s, group.flops_per_s) == \
+        (f"4 x {name}", 4 * bandwidth, 4 * half)
+    assert device_peak(torch.device("cpu"), torch.bfloat16) is None
+
+
+def test_weights_across_ranks_add_up():
+    per_rank = WeightBytes(1000, experts=400, num_experts=8, top_k=2)
+    group = per_rank.across(4)
+    assert (group.dense, group.experts, group.num_experts, group.top_k) == (4000, 1600, 8, 2)
+    assert group.read_by(3) == pytest.approx(4 * per_rank.read_by(3))
