@@ -168,6 +168,7 @@ def run_bench(opts: dict) -> dict:
                                           trust_remote_code=opts["trust_remote_code"])
         runs = [hf_baseline.run_static(model, requests, opts["hf_batch_sizes"],
                                        _sampling(opts))]
+        _release_memory()
         cb_error = None
         if hf_baseline.continuous_batching_available(model):
             try:
@@ -178,6 +179,7 @@ def run_bench(opts: dict) -> dict:
                 cb_error = f"{type(e).__name__}: {e}"
                 click.echo(f"transformers continuous batching failed, left out: {cb_error}",
                            err=True)
+            _release_memory()
         summary["baselines"] = {r.name: report.baseline_summary(r, len(requests)) for r in runs}
         if cb_error is not None:
             summary["baselines"]["hf_cb"] = {"error": cb_error}
@@ -222,6 +224,7 @@ def _repeat_runs(first: dict, source: ModelSource, opts: dict, requests: list[Be
         if static:
             again = hf_baseline.run_static(model, requests, [static["batch_size"]],
                                            _sampling(opts))
+            _release_memory()
             static_s.append(again.elapsed_s)
     median = sorted(ours, key=lambda s: s["elapsed_time"])[len(ours) // 2]
     summary = {**first, **{k: v for k, v in median.items() if k in first}}

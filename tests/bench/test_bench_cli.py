@@ -144,6 +144,50 @@ def test_num_runs_reports_the_median_run_and_ratio(cache_dir):
     assert summary["output_tokens"] == 16 and "Runs (3), output tokens/s: ours " in out
 
 
+def test_each_system_releases_its_memory_before_the_next_runs(cache_dir, monkeypatch):
+    # A system that ran after another on the pages that one faulted in (freed, but kept in
+    # the heap) would skip the cost of faulting its own: every run is followed by a
+    # release, and by then nothing holds the finished engine's model runner (its model and
+    # KV cache).
+    import weakref
+
+    from batchinfer.bench import hf_baseline, runner
+    from batchinfer.engine.model_runner import ModelRunner
+    events, runners = [], []
+    build = ModelRunner.__init__
+
+    def tracked_build(self, *args, **kwargs):
+        build(self, *args, **kwargs)
+        runners.append(weakref.ref(self))
+
+    def record(name, fn):
+        def run(*args, **kwargs):
+            events.append(name)
+            return fn(*args, **kwargs)
+        return run
+
+    release = runner._release_memory
+
+    def tracked_release():
+        release()
+        events.append(("release", sum(r() is not None for r in runners)))
+
+    monkeypatch.setattr(ModelRunner, "__init__", tracked_build)
+    monkeypatch.setattr(runner, "run_workload", record("ours", runner.run_workload))
+    monkeypatch.setattr(hf_baseline, "run_static", record("static", hf_baseline.run_static))
+    monkeypatch.setattr(hf_baseline, "run_continuous_batching",
+                        record("cb", hf_baseline.run_continuous_batching))
+    monkeypatch.setattr(runner, "_release_memory", tracked_release)
+    run_bench(cache_dir, "--num-prompts", "4", "--input-len", "16", "--output-len", "3",
+              "--baseline", "hf", "--hf-batch-sizes", "4", "--num-runs", "2",
+              "--compare-prefix-caching")
+    systems = [e for e in events if isinstance(e, str)]
+    assert systems.count("ours") == 3 and systems.count("static") == 2, events
+    for before, after in zip(events, events[1:]):
+        if isinstance(before, str):
+            assert after == ("release", 0), events
+
+
 def test_sampling_flags_reach_both_systems(cache_dir, monkeypatch):
     """--temperature / --top-p / --top-k / --min-p: every request of ours samples with
     them, transformers' generation configs are built from the same settings, and the
