@@ -11,8 +11,14 @@ from batchinfer.job.options import OUTPUT_FORMATS, JobOptions, parse_size
 
 
 class FatalError(click.ClickException):
-    """Printed as one line, `Error: ...`, with exit code 2."""
+    """Printed as one line, `Error: ...`, with exit code 2 (or the JobError's own)."""
     exit_code = 2
+
+    @classmethod
+    def of(cls, error: JobError) -> "FatalError":
+        fatal = cls(str(error))
+        fatal.exit_code = error.exit_code
+        return fatal
 
 
 class JobCommand(click.Command):
@@ -194,7 +200,7 @@ def run(ctx: click.Context, input: str | None, config: str | None, **flags: Any)
             ctx.exit(run_data_parallel(options))
         result = run_job(options)
     except JobError as e:
-        raise FatalError(str(e)) from None
+        raise FatalError.of(e) from None
     except KeyboardInterrupt:  # Ctrl-C while starting, before the job's own handling
         click.echo("Interrupted while starting; run the same command to start again.",
                    err=True)
@@ -219,5 +225,5 @@ def merge(outdir: str, rows_per_file: int) -> None:
             before, after = merge_parts(directory, rows_per_file)
             click.echo(f"batchinfer: {directory.path}: {before} part file(s) -> {after}")
     except JobError as e:
-        raise FatalError(str(e)) from None
+        raise FatalError.of(e) from None
 

@@ -1,4 +1,5 @@
-"""The one exception type a job raises for mistakes the user must fix."""
+"""The exceptions a job raises for what the user must fix or know; the CLI prints their
+message as one line and exits with their `exit_code`."""
 from __future__ import annotations
 
 
@@ -7,3 +8,10 @@ class JobError(Exception):
 
     The message is one line naming what to fix; the CLI prints it and exits with code 2.
     """
+    exit_code = 2
+
+
+class OutputFailed(JobError):
+    """Writing the output failed while the job ran (a full disk, an I/O error): one line
+    naming the path and the cause, exit code 1. What was committed before stays."""
+    exit_code = 1

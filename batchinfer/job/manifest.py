@@ -8,18 +8,24 @@ Layout (non-Parquet files live under `__batchinfer__/`, a name both pyarrow.data
     OUTDIR/__batchinfer__/manifest.json         the parts, the finished row indices, the job
     OUTDIR/__batchinfer__/summary.json          stats of all rows so far
     OUTDIR/__batchinfer__/lock                  held (flock) by the process writing OUTDIR
+    OUTDIR/__batchinfer__/merging/              merged files not yet moved into OUTDIR
 
 A part is written under a temporary name, fsynced and renamed; then the manifest, which
 lists it and the input rows it holds, is replaced the same way. Only the manifest says what
 is done: a part it does not list is left over from a crash and is deleted on the next start.
+A commit that fails leaves the manifest, in memory and on disk, as it was before it.
+On a restart the listed parts are checked (present, of the size written, a readable footer
+with the rows written); the rows of one that is not are computed again.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
 import os
 import secrets
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -47,12 +53,16 @@ class Manifest:
     json_columns: list[str]
     output_schema: str
     num_input_rows: int | None
-    parts: list[dict[str, Any]] = field(default_factory=list)  # file, rows, input_rows
+    # file, rows, input_rows, bytes, ranges (the input rows it holds, RangeSet.ranges())
+    parts: list[dict[str, Any]] = field(default_factory=list)
     done: list[list[int]] = field(default_factory=list)        # RangeSet.ranges()
     next_part: int = 0
     runs: list[dict[str, Any]] = field(default_factory=list)   # started, wall_s, input_rows
     complete: bool = False
     version: int = MANIFEST_VERSION
+    # a merge that switched the manifest to its files but has not finished moving them in
+    # ({"move": [names under merging/], "remove": [replaced parts]}); see finish_merge
+    merging: dict[str, list[str]] | None = None
 
     @classmethod
     def from_json(cls, text: str) -> "Manifest":
@@ -63,6 +73,11 @@ class Manifest:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+
+def digest_of_text(text: str | None) -> str | None:
+    """How a job records a text it read from a file: by digest, never the text itself."""
+    return None if text is None else "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
 def fingerprint(job: dict[str, Any]) -> str:
@@ -101,6 +116,9 @@ def real_differences(recorded: dict[str, Any], new: dict[str, Any]) -> list[str]
             continue
         if name in ("model", "tokenizer") and same_dir(recorded[name], new[name]):
             continue
+        if name in ("system_prompt", "chat_template") and isinstance(recorded[name], str) \
+                and digest_of_text(recorded[name]) == new[name]:
+            continue  # recorded as text by an older version, now by digest
         if name == "input.files":
             old_files, new_files = recorded["input"]["files"], new["input"]["files"]
             width = min((len(f) for f in old_files), default=3)
@@ -130,19 +148,56 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class NotSynced(OSError):
+    """A file was replaced, but syncing its folder failed: the new content is in place
+    and seen by readers, but a crash of the machine may still undo it."""
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Replace `path` with `data`: temporary file in the same folder, fsync, rename."""
+    """Replace `path` with `data`: temporary file in the same folder, fsync, rename. Raises
+    NotSynced when only the last step (syncing the folder) failed; on any other failure
+    `path` is as it was and the temporary file is gone."""
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    _write_durably(tmp, lambda f: f.write(data))
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
+    try:
+        fsync_dir(path.parent)
+    except OSError as e:
+        raise NotSynced(e.errno, e.strerror, str(path.parent)) from e
+
+
+def _write_durably(path: Path, write: Any) -> None:
+    """Create `path` with what `write(file)` writes, fsynced; removed again on failure."""
+    try:
+        with open(path, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        _remove_quietly(path)
+        raise
+
+
+def _remove_quietly(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass  # left for remove_orphans
+
+
+def os_error_message(e: OSError) -> str:
+    """`path: cause` of an OSError, for a one-line message."""
+    where = e.filename if e.filename is not None else ""
+    cause = e.strerror or str(e)
+    return f"{where}: {cause}" if where else cause
 
 
 class OutputDir:
-    """The output folder of one job; `open()` takes its lock."""
+    """The output folder of one job. `lock()` first, then `check()` and `prepare()`."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path).expanduser()
@@ -150,7 +205,9 @@ class OutputDir:
         self.manifest_path = self.meta / "manifest.json"
         self.summary_path = self.meta / "summary.json"
         self.openai_path = self.meta / "openai_output.jsonl"
-        self._lock_file = None
+        self.merging = self.meta / "merging"
+        self._lock_fd: int | None = None
+        self._created: list[Path] = []  # folders lock() made, removed if nothing follows
 
     def read_manifest(self) -> Manifest | None:
         if not self.manifest_path.is_file():
@@ -161,18 +218,43 @@ class OutputDir:
             raise JobError(f"{self.manifest_path} is damaged ({e}); move OUTDIR away or pass "
                            "--overwrite to start over")
 
-    def check(self, job: dict[str, Any], overwrite: bool) -> Manifest | None:
-        """The manifest to continue from, None to start fresh; JobError if OUTDIR belongs
-        to another job (unless `overwrite`) or to something that is not a batchinfer job."""
+    def lock(self) -> None:
+        """Take the folder's lock (creating the folder), so that what `check` finds stays
+        true until `close`. JobError if another process holds it, or if the folder is a
+        file or holds files of something other than a batchinfer job."""
         if self.path.exists() and not self.path.is_dir():
             raise JobError(f"--output {self.path} is a file, not a directory")
-        if not self.path.exists() or not any(self.path.iterdir()):
-            return None
+        if self.path.is_dir() and not self.meta.is_dir() and any(self.path.iterdir()):
+            raise JobError(f"--output {self.path} is not empty and holds no batchinfer "
+                           "output; choose a new or empty directory")
+        self._created = [p for p in (self.meta, *self.meta.parents) if not p.exists()]
+        try:
+            self.meta.mkdir(parents=True, exist_ok=True)
+            # no O_TRUNC and no following a symbolic link: the lock file is never written
+            fd = os.open(self.meta / "lock",
+                         os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise JobError(f"--output: {self.meta / 'lock'} is a symbolic link; remove "
+                               "it") from None
+            raise JobError(f"--output: cannot write {os_error_message(e)}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise JobError(f"another batchinfer process is writing to {self.path}; wait for "
+                           "it to finish or choose another --output") from None
+        self._lock_fd = fd
+
+    def check(self, job: dict[str, Any], overwrite: bool) -> Manifest | None:
+        """The manifest to continue from, None to start fresh; JobError if OUTDIR belongs
+        to another job (unless `overwrite`). Call with the lock held."""
         manifest = self.read_manifest() if not overwrite else None
         if manifest is None:
-            if not self.meta.is_dir():
-                raise JobError(f"--output {self.path} is not empty and holds no batchinfer "
-                               "output; choose a new or empty directory")
+            if not overwrite and any(self.path.glob("*.parquet")):
+                raise JobError(f"--output {self.path} holds Parquet files but no "
+                               f"{META_DIR}/manifest.json saying which job wrote them; pass "
+                               "--overwrite to replace them, or choose another --output")
             return None
         diffs = [] if manifest.fingerprint == fingerprint(job) else \
             real_differences(manifest.job, job)
@@ -184,28 +266,43 @@ class OutputDir:
                            "differ); pass --overwrite to replace it, or choose another --output")
         return manifest
 
-    def open(self, manifest: Manifest, fresh: bool) -> None:
-        """Take the lock; on a fresh start remove earlier output, else remove orphans."""
-        self.meta.mkdir(parents=True, exist_ok=True)
-        self._lock_file = open(self.meta / "lock", "w")
+    def prepare(self, manifest: Manifest, fresh: bool) -> list[str]:
+        """Make the folder hold exactly what `manifest` lists and save it: on a fresh start
+        remove earlier output; else finish an interrupted merge, drop listed parts that are
+        missing or damaged (their rows are no longer done) and remove unlisted files.
+        Returns a warning per dropped part. Call with the lock held."""
+        warnings = []
         try:
-            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock_file.close()
-            self._lock_file = None
-            raise JobError(f"another batchinfer process is writing to {self.path}; wait for "
-                           "it to finish or choose another --output") from None
-        if fresh:
-            for p in (self.manifest_path, self.summary_path, self.openai_path):
-                p.unlink(missing_ok=True)
-        self.remove_orphans(manifest)
-        self.save(manifest)
+            if fresh:
+                for p in (self.manifest_path, self.summary_path, self.openai_path):
+                    p.unlink(missing_ok=True)
+                shutil.rmtree(self.merging, ignore_errors=True)
+            else:
+                self.finish_merge(manifest)
+                warnings = self.drop_damaged_parts(manifest)
+            self.remove_orphans(manifest)
+            self.save(manifest)
+        except OSError as e:
+            raise JobError(f"--output: cannot write {os_error_message(e)}") from None
+        self._created = []
+        return warnings
 
     def close(self) -> None:
-        if self._lock_file is not None:
-            fcntl.flock(self._lock_file, fcntl.LOCK_UN)
-            self._lock_file.close()
-            self._lock_file = None
+        """Release the lock; a folder that lock() created for a job that never started
+        (no prepare) is removed again, lock file and all."""
+        if self._lock_fd is None:
+            return
+        if self._created:
+            try:
+                (self.meta / "lock").unlink()
+                for folder in self._created:
+                    folder.rmdir()
+            except OSError:
+                pass  # something else appeared in it: leave it
+            self._created = []
+        fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        os.close(self._lock_fd)
+        self._lock_fd = None
 
     def remove_orphans(self, manifest: Manifest) -> list[str]:
         """Delete part files and temporary files the manifest does not list."""
@@ -219,37 +316,111 @@ class OutputDir:
                 removed.append(p.name)
         for p in self.meta.glob(".*.tmp"):
             p.unlink()
+        if manifest.merging is None:
+            shutil.rmtree(self.merging, ignore_errors=True)
         return removed
+
+    def drop_damaged_parts(self, manifest: Manifest) -> list[str]:
+        """Take parts that are missing, of another size than written, or whose footer does
+        not read back with the rows written out of `manifest` (their rows are to be done
+        again). Returns a warning naming each."""
+        kept, warnings = [], []
+        done = RangeSet(tuple(r) for r in manifest.done)
+        for entry in manifest.parts:
+            problem = self._part_problem(entry)
+            if problem is None:
+                kept.append(entry)
+                continue
+            if "ranges" not in entry:
+                raise JobError(f"{self.path / entry['file']} {problem}, and the manifest does "
+                               "not say which input rows it held (an older version wrote "
+                               "it); restore the file, or pass --overwrite to start over")
+            for start, end in entry["ranges"]:
+                done.remove_range(start, end)
+            warnings.append(f"{entry['file']} {problem}; its {entry['input_rows']} input "
+                            "rows will be computed again")
+        if warnings:
+            manifest.parts, manifest.done = kept, done.ranges()
+            manifest.complete = False
+        return warnings
+
+    def _part_problem(self, entry: dict[str, Any]) -> str | None:
+        path = self.path / entry["file"]
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return "is missing"
+        if "bytes" in entry and size != entry["bytes"]:
+            return f"has {size} bytes, not the {entry['bytes']} written"
+        try:
+            rows = pq.read_metadata(path).num_rows
+        except (OSError, pa.ArrowException) as e:
+            return f"cannot be read ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+        if rows != entry["rows"]:
+            return f"holds {rows} rows, not the {entry['rows']} written"
+        return None
 
     def new_part_name(self, manifest: Manifest) -> str:
         name = f"part-{manifest.next_part:06d}-{secrets.token_hex(4)}.parquet"
         manifest.next_part += 1
         return name
 
-    def write_part(self, table: pa.Table, name: str) -> None:
-        """Write a Parquet file under its final name, atomically and durably."""
-        final = self.path / name
-        tmp = self.path / f".{name}.tmp"
-        with open(tmp, "wb") as f:
-            pq.write_table(table, f, compression="zstd")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-        fsync_dir(self.path)
+    def write_part(self, table: pa.Table, name: str, folder: Path | None = None) -> int:
+        """Write a Parquet file under its final name in `folder` (OUTDIR by default),
+        atomically and durably; returns its size."""
+        folder = folder or self.path
+        final, tmp = folder / name, folder / f".{name}.tmp"
+        _write_durably(tmp, lambda f: pq.write_table(table, f, compression="zstd"))
+        try:
+            os.replace(tmp, final)
+            fsync_dir(folder)
+        except BaseException:
+            _remove_quietly(tmp)
+            _remove_quietly(final)
+            raise
+        return final.stat().st_size
 
-    def commit(self, manifest: Manifest, table: pa.Table, num_input_rows: int,
+    def commit(self, manifest: Manifest, table: pa.Table, rows: RangeSet,
                done: RangeSet) -> None:
-        """Add a part holding `num_input_rows` input rows; `done` already includes them.
-        The rows count as finished once the manifest is replaced."""
+        """Add a part holding the input rows `rows`; `done` already includes them. The rows
+        count as finished once the manifest is replaced. On failure `manifest` is as it
+        was, and so is OUTDIR, unless NotSynced is raised: then the part is committed and
+        only the folder's sync failed."""
         name = self.new_part_name(manifest)
-        self.write_part(table, name)
+        size = self.write_part(table, name)
+        before = manifest.parts, manifest.done
+        manifest.parts = [*before[0], {"file": name, "rows": table.num_rows,
+                                       "input_rows": len(rows), "bytes": size,
+                                       "ranges": rows.ranges(), "logprobs_order": SAMPLED_FIRST}]
         manifest.done = done.ranges()
-        manifest.parts.append({"file": name, "rows": table.num_rows,
-                               "input_rows": num_input_rows, "logprobs_order": SAMPLED_FIRST})
-        self.save(manifest)
+        try:
+            self.save(manifest)
+        except NotSynced:
+            raise
+        except BaseException:
+            manifest.parts, manifest.done = before
+            _remove_quietly(self.path / name)
+            raise
 
     def save(self, manifest: Manifest) -> None:
         atomic_write_bytes(self.manifest_path, manifest.to_json().encode())
+
+    def finish_merge(self, manifest: Manifest) -> None:
+        """Complete a merge the manifest was switched to: remove the parts it replaced,
+        then move its files from merging/ into OUTDIR. Readers see either set of files,
+        or (while it runs) fewer rows, never a row twice."""
+        if manifest.merging is None:
+            return
+        for name in manifest.merging["remove"]:
+            (self.path / name).unlink(missing_ok=True)
+        fsync_dir(self.path)
+        for name in manifest.merging["move"]:
+            if (self.merging / name).exists():
+                os.replace(self.merging / name, self.path / name)
+        fsync_dir(self.path)
+        manifest.merging = None
+        self.save(manifest)
+        shutil.rmtree(self.merging, ignore_errors=True)
 
     def part_paths(self, manifest: Manifest) -> list[Path]:
         return [self.path / p["file"] for p in manifest.parts]

@@ -1,10 +1,13 @@
 """`batchinfer merge OUTDIR`: compact many part files into one or a few.
 
-The merged files are written under new part names (temporary name, fsync, rename), then
-the manifest is replaced to list them instead of the old parts, then the old parts are
-deleted. A crash at any point leaves either the old or the new set listed; the unlisted
-one is removed as orphans by the next run or merge. Which input rows are done does not
-change, so a job can be merged part way and resumed after.
+The merged files are written in OUTDIR/__batchinfer__/merging/ (a folder dataset readers
+skip), each under a temporary name, fsynced and renamed; then the manifest is replaced to
+list them instead of the old parts, with a note of the merge; then the old parts are
+deleted and the merged files moved into OUTDIR (OutputDir.finish_merge). A reader never
+sees a row twice. A crash before the manifest is replaced leaves the old parts listed (the
+merged files are removed on the next start); a crash after it is finished by the next
+run or merge. Which input rows are done does not change, so a job can be merged part way
+and resumed after.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import pyarrow.parquet as pq
 
 from batchinfer.job.errors import JobError
 from batchinfer.job.manifest import SAMPLED_FIRST, OutputDir, fsync_dir
+from batchinfer.job.rangeset import RangeSet
 from batchinfer.job.schema import schema_from_json
 
 
@@ -29,12 +33,22 @@ class _MergedFile:
         self.handle = open(self.tmp, "wb")
         self.writer = pq.ParquetWriter(self.handle, schema, compression="zstd")
         self.entry = {"file": name, "rows": 0, "input_rows": 0}
+        self.ranges: RangeSet | None = RangeSet()
 
-    def write(self, batch: pa.RecordBatch) -> None:
+    def write(self, batch: pa.RecordBatch, source: dict) -> None:
+        """Write rows of the part whose manifest entry is `source`, whose input rows not yet
+        written are source["left"] (parts hold their rows in input order)."""
         self.writer.write_batch(batch)
         self.entry["rows"] += batch.num_rows
         first_samples = pc.equal(batch.column("sample_index"), 0)
-        self.entry["input_rows"] += pc.sum(first_samples, min_count=0).as_py()
+        input_rows = pc.sum(first_samples, min_count=0).as_py()
+        self.entry["input_rows"] += input_rows
+        if self.ranges is not None and source["left"] is not None:
+            taken, source["left"] = source["left"].split(input_rows)
+            for start, end in taken.ranges():
+                self.ranges.add_range(start, end)
+        else:
+            self.ranges = None  # a part written by an older version: its rows are not known
 
     def close(self) -> dict:
         self.writer.close()
@@ -42,6 +56,9 @@ class _MergedFile:
         os.fsync(self.handle.fileno())
         self.handle.close()
         os.replace(self.tmp, self.final)
+        self.entry["bytes"] = self.final.stat().st_size
+        if self.ranges is not None:
+            self.entry["ranges"] = self.ranges.ranges()
         return self.entry
 
 
@@ -50,41 +67,47 @@ def merge_parts(outdir: OutputDir, rows_per_file: int = 1_000_000) -> tuple[int,
     Returns (parts before, parts after)."""
     if rows_per_file < 1:
         raise JobError(f"--rows-per-file must be >= 1, got {rows_per_file}")
-    manifest = outdir.read_manifest()
-    if manifest is None:
+    if not outdir.manifest_path.is_file():
         raise JobError(f"{outdir.path} holds no batchinfer output (no {outdir.manifest_path})")
-    outdir.open(manifest, fresh=False)
+    outdir.lock()
     try:
-        old = outdir.part_paths(manifest)
-        if not old or (len(old) == 1 and manifest.parts[0]["rows"] <= rows_per_file):
+        manifest = outdir.read_manifest()
+        outdir.prepare(manifest, fresh=False)
+        old = manifest.parts
+        if not old or (len(old) == 1 and old[0]["rows"] <= rows_per_file):
             return len(old), len(old)  # already as asked
         schema = schema_from_json(manifest.output_schema)
+        outdir.merging.mkdir(exist_ok=True)
         merged: list[dict] = []
         current: _MergedFile | None = None
-        for path in old:
-            for batch in pq.ParquetFile(path).iter_batches(batch_size=65536):
+        for entry in old:
+            source = {"left": RangeSet(tuple(r) for r in entry["ranges"])
+                      if "ranges" in entry else None}
+            for batch in pq.ParquetFile(outdir.path / entry["file"]).iter_batches(
+                    batch_size=65536):
                 if batch.schema != schema:
                     batch = batch.cast(schema)
                 while batch.num_rows:
                     if current is None:
-                        current = _MergedFile(outdir.path, outdir.new_part_name(manifest), schema)
+                        current = _MergedFile(outdir.merging, outdir.new_part_name(manifest),
+                                              schema)
                     piece = batch.slice(0, rows_per_file - current.entry["rows"])
                     batch = batch.slice(piece.num_rows)
-                    current.write(piece)
+                    current.write(piece, source)
                     if current.entry["rows"] >= rows_per_file:
                         merged.append(current.close())
                         current = None
         if current is not None:
             merged.append(current.close())
-        if all(p.get("logprobs_order") == SAMPLED_FIRST for p in manifest.parts):
+        if all(p.get("logprobs_order") == SAMPLED_FIRST for p in old):
             for entry in merged:
                 entry["logprobs_order"] = SAMPLED_FIRST
-        fsync_dir(outdir.path)
+        fsync_dir(outdir.merging)
         manifest.parts = merged
+        manifest.merging = {"move": [p["file"] for p in merged],
+                            "remove": [p["file"] for p in old]}
         outdir.save(manifest)
-        for path in old:
-            path.unlink()
-        fsync_dir(outdir.path)
+        outdir.finish_merge(manifest)
         return len(old), len(merged)
     finally:
         outdir.close()

@@ -57,3 +57,35 @@ class RangeSet:
 
     def ranges(self) -> list[list[int]]:
         return [[s, e] for s, e in zip(self._starts, self._ends)]
+
+    def copy(self) -> "RangeSet":
+        out = RangeSet()
+        out._starts, out._ends = self._starts.copy(), self._ends.copy()
+        return out
+
+    def remove_range(self, start: int, end: int) -> None:
+        if start >= end:
+            return
+        lo = bisect.bisect_right(self._ends, start)      # first range ending after start
+        hi = bisect.bisect_left(self._starts, end)       # ranges before hi start before end
+        if lo >= hi:
+            return
+        kept_starts, kept_ends = [], []
+        if self._starts[lo] < start:
+            kept_starts.append(self._starts[lo])
+            kept_ends.append(start)
+        if self._ends[hi - 1] > end:
+            kept_starts.append(end)
+            kept_ends.append(self._ends[hi - 1])
+        self._starts[lo:hi] = kept_starts
+        self._ends[lo:hi] = kept_ends
+
+    def split(self, count: int) -> tuple["RangeSet", "RangeSet"]:
+        """The `count` smallest indices, and the rest."""
+        head, tail = RangeSet(), RangeSet()
+        for start, end in zip(self._starts, self._ends):
+            take = min(count, end - start)
+            head.add_range(start, start + take)
+            tail.add_range(start + take, end)
+            count -= take
+        return head, tail

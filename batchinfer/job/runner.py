@@ -4,8 +4,8 @@
                   │ (bad rows)                                               │
                   └──────────────────────────▶ PartWriter ◀── sample_rows ◀──┘
 
-Everything a user can get wrong is checked before the model loads. SIGTERM and SIGINT stop
-the loop after the current step; finished rows are committed and the exit code is
+Everything a user can get wrong is checked before the model loads. SIGTERM, SIGINT and
+SIGHUP stop the loop after the current step; finished rows are committed and the exit code is
 128 + the signal, so a scheduler such as Slurm can requeue the job, which then continues.
 """
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Any, TextIO
 
 from batchinfer.engine.gc_freeze import startup_heap_frozen
 from batchinfer.job.data_parallel import DP_CHILD
-from batchinfer.job.errors import JobError
-from batchinfer.job.manifest import Manifest, OutputDir, fingerprint, now_iso
+from batchinfer.job.errors import JobError, OutputFailed
+from batchinfer.job.manifest import Manifest, OutputDir, fingerprint, now_iso, os_error_message
 from batchinfer.job.metrics import JobMetrics
 from batchinfer.job.openai_output import write_openai_output
 from batchinfer.job.options import JobOptions, engine_flags_in, flag
@@ -69,7 +69,8 @@ class JobResult:
 
 
 class StopSignals:
-    """Turns the first SIGTERM/SIGINT into a request to stop; a second one kills at once."""
+    """Turns the first SIGTERM/SIGINT/SIGHUP into a request to stop; a second one kills at
+    once."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
@@ -77,7 +78,7 @@ class StopSignals:
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -152,6 +153,16 @@ def run_job(options: JobOptions, engine_factory: EngineFactory | None = None,
     check_layout(options.output, options.shard(),
                  {"input": source.identity(), **options.identity()})
     outdir = OutputDir(options.output_dir())
+    with StopSignals() as stop:
+        outdir.lock()  # before looking at OUTDIR: what the look finds stays true
+        try:
+            return _run_locked(options, source, outdir, stop, engine_factory, out, err)
+        finally:
+            outdir.close()
+
+
+def _run_locked(options: JobOptions, source: Source, outdir: OutputDir, stop: StopSignals,
+                engine_factory: EngineFactory, out: TextIO, err: TextIO) -> JobResult:
     plan = _plan(options, source, outdir)
     manifest = plan.manifest
     known = manifest.num_input_rows
@@ -160,26 +171,26 @@ def run_job(options: JobOptions, engine_factory: EngineFactory | None = None,
     shard = options.shard()
     if shard is not None and total is not None:
         total = shard.rows_below(total)
-
-    with StopSignals() as stop:
-        outdir.open(manifest, plan.fresh)
-        try:
-            manifest.runs.append({"started": now_iso(), "wall_s": 0.0, "input_rows": 0})
-            done = RangeSet(tuple(r) for r in manifest.done)
-            writer = PartWriter(outdir, manifest, schema_from_json(manifest.output_schema), done,
-                                options.commit_rows, options.commit_seconds, source.dictionaries)
-            if not plan.fresh:
-                print(f"batchinfer: continuing {outdir.path}: {len(done)} rows already done",
-                      file=err)
-            finished = total is not None and len(done) >= total
-            if not finished:
-                finished = _run_engine(options, source, plan, writer, done, total, stop,
-                                       engine_factory, err)
-            else:
-                writer.commit(complete=True)
-            return _finish(options, outdir, manifest, finished, stop, out, err)
-        finally:
-            outdir.close()
+    for warning in outdir.prepare(manifest, plan.fresh):
+        print(f"batchinfer: warning: {warning}", file=err)
+    manifest.runs.append({"started": now_iso(), "wall_s": 0.0, "input_rows": 0})
+    done = RangeSet(tuple(r) for r in manifest.done)
+    writer = PartWriter(outdir, manifest, schema_from_json(manifest.output_schema), done,
+                        options.commit_rows, options.commit_seconds, source.dictionaries)
+    if not plan.fresh:
+        print(f"batchinfer: continuing {outdir.path}: {len(done)} rows already done",
+              file=err)
+    try:
+        finished = total is not None and len(done) >= total
+        if not finished:
+            finished = _run_engine(options, source, plan, writer, done, total, stop,
+                                   engine_factory, err)
+        else:
+            writer.commit(complete=True)
+        return _finish(options, outdir, manifest, finished, stop, out, err)
+    except OSError as e:
+        raise OutputFailed(f"{os_error_message(e)}; {len(done)} rows are committed in {outdir.path}; "
+                           "run the same command again to continue") from e
 
 
 def _run_engine(options: JobOptions, source: Source, plan: _Plan, writer: PartWriter,
@@ -272,7 +283,10 @@ class _Loop:
             self.writer.commit(complete=complete)
             return complete
         except BaseException:
-            self.writer.commit()  # rows already finished are kept whatever went wrong
+            try:  # rows already finished are kept whatever went wrong
+                self.writer.commit()
+            except OSError:
+                pass  # the first failure is the one to report
             raise
 
     def fill(self) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow as pa
 
 from batchinfer.job.errors import JobError
-from batchinfer.job.manifest import Manifest, OutputDir
+from batchinfer.job.manifest import Manifest, NotSynced, OutputDir
 from batchinfer.job.prompts import PromptSpec, WorkItem
 from batchinfer.job.rangeset import RangeSet
 from batchinfer.outputs import FlatLogprobs, RequestOutput
@@ -241,18 +241,36 @@ class PartWriter:
                 or time.monotonic() - self._last_commit >= self.commit_seconds)
 
     def commit(self, complete: bool = False) -> int:
-        """Commit what is buffered (and record the run's time); returns the input rows."""
+        """Commit what is buffered (and record the run's time); returns the input rows.
+        If it raises, what is buffered stays buffered and the manifest is as it was, except
+        for NotSynced (committed, see OutputDir.commit)."""
         count = len(self._indices)
+        run_before, complete_before = dict(self.run), self.manifest.complete
         self.run["wall_s"] = round(time.monotonic() - self.started, 3)
         self.manifest.complete = complete
-        if count:
-            self._rows.sort(key=lambda t: (t[0], t[1]))
-            table = to_table([r for _, _, r in self._rows], self.schema, self.dictionaries)
-            self.done.update(self._indices)
-            self.run["input_rows"] = self.run.get("input_rows", 0) + count
-            self.outdir.commit(self.manifest, table, count, self.done)
-        else:
-            self.outdir.save(self.manifest)
+        try:
+            if count:
+                self._rows.sort(key=lambda t: (t[0], t[1]))
+                table = to_table([r for _, _, r in self._rows], self.schema, self.dictionaries)
+                rows = RangeSet()
+                rows.update(self._indices)
+                done = self.done.copy()
+                done.update(self._indices)
+                self.run["input_rows"] = self.run.get("input_rows", 0) + count
+                self.outdir.commit(self.manifest, table, rows, done)
+            else:
+                self.outdir.save(self.manifest)
+        except NotSynced:
+            self._committed()
+            raise
+        except BaseException:
+            self.run.update(run_before)
+            self.manifest.complete = complete_before
+            raise
+        self._committed()
+        return count
+
+    def _committed(self) -> None:
+        self.done.update(self._indices)
         self._rows, self._indices = [], []
         self._last_commit = time.monotonic()
-        return count

@@ -463,10 +463,11 @@ def test_openai_output_older_than_its_prompt_logprobs_columns_resumes(tmp_path, 
     assert set(dropped) <= set(recorded.names)
     older = pa.schema([f for f in recorded if f.name not in dropped], metadata=recorded.metadata)
     manifest["output_schema"] = schema_to_json(older)
-    manifest_path.write_text(json.dumps(manifest))
     for part in manifest["parts"]:
         path = out / part["file"]
         pq.write_table(pq.read_table(path).drop_columns(dropped), path)
+        part["bytes"] = path.stat().st_size
+    manifest_path.write_text(json.dumps(manifest))
 
     from batchinfer.engine.engine import LLMEngine
     asked = []

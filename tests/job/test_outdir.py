@@ -48,8 +48,7 @@ def test_a_second_process_cannot_write_the_same_outdir(tmp_path):
     options = fake_job(tmp_path)
     outdir = OutputDir(options.output)
     assert run_fake(fake_job(tmp_path, limit=5)).exit_code == 0
-    manifest = outdir.read_manifest()
-    outdir.open(manifest, fresh=False)
+    outdir.lock()
     try:
         with pytest.raises(JobError, match="another batchinfer process"):
             run_fake(options)
