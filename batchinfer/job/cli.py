@@ -67,6 +67,8 @@ def _options(f):
         O("--top-p", type=float), O("--top-k", type=int), O("--min-p", type=float),
         O("--seed", type=int, help="Sampling seed of every request (SamplingParams.seed)."),
         O("--n", type=int, help="Completions per prompt."),
+        O("--max-n", type=click.IntRange(min=1),
+          help="Most completions one row may ask for (--n, an OpenAI line's n; default 128)."),
         O("--stop", multiple=True, help="Stop string (repeatable)."),
         O("--stop-token-ids", type=int, multiple=True, help="Stop token id (repeatable)."),
         O("--choice", multiple=True,

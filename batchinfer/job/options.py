@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from batchinfer.job.errors import JobError
-from batchinfer.job.manifest import META_DIR
+from batchinfer.job.manifest import META_DIR, digest_of_text
 from batchinfer.job.shard import Shard
 from batchinfer.sampling_params import SamplingParams
 
@@ -131,6 +131,7 @@ class JobOptions:
     metrics_host: str = "127.0.0.1"
     metrics_textfile: str | None = None
     metrics_interval: float = 15.0
+    max_n: int = 128
 
     @classmethod
     def names(cls) -> list[str]:
@@ -161,8 +162,12 @@ class JobOptions:
             ("shard_index", self.shard_index is None
              or 0 <= self.shard_index < max(self.num_shards, 1),
              f"must be in [0, --num-shards) = [0, {self.num_shards})"),
-            ("metrics_port", self.metrics_port is None or 0 <= self.metrics_port <= 65535,
-             "must be in [0, 65535]"),
+            ("metrics_port", self.metrics_port is None
+             or 0 <= self.metrics_port <= 65536 - self.data_parallel_size,
+             "must be in [0, 65535]" if self.data_parallel_size == 1 else
+             f"must be in [0, {65536 - self.data_parallel_size}] (process j of "
+             f"--data-parallel-size {self.data_parallel_size} serves port P + j)"),
+            ("max_n", self.max_n >= 1, "must be >= 1"),
             ("output_format", self.output_format in OUTPUT_FORMATS,
              f"must be one of {', '.join(OUTPUT_FORMATS)}"),
         ]
@@ -172,6 +177,9 @@ class JobOptions:
         if self.num_shards > 1 and self.shard_index is None:
             raise JobError(f"--num-shards {self.num_shards} needs --shard-index (which shard "
                            "this run takes)")
+        if (self.n or 1) > self.max_n:
+            raise JobError(f"--n {self.n} is over --max-n {self.max_n} completions per row; "
+                           "raise --max-n to allow it")
         if self.prompt_column and self.messages_column:
             raise JobError("give only one of --prompt-column and --messages-column")
         _check_can_hold(self.output, "--output")
@@ -265,7 +273,7 @@ class JobOptions:
             raise JobError(f"--chat-template {self.chat_template}: cannot read it: {e}")
         import jinja2  # transformers renders chat templates with it
         try:
-            jinja2.Environment().parse(text)
+            _template_environment().parse(text)
         except jinja2.TemplateSyntaxError as e:
             raise JobError(f"--chat-template {self.chat_template}: line {e.lineno}: {e.message}")
         return text
@@ -295,8 +303,11 @@ class JobOptions:
             "split": self.split,
             "prompt_column": self.prompt_column,
             "messages_column": self.messages_column,
-            "system_prompt": self.system_prompt_text(),
-            "chat_template": self.chat_template_text(),
+            # texts read from files are recorded by digest: a file may be any local file,
+            # and its text is not to be copied into OUTDIR
+            "system_prompt": digest_of_text(self.system_prompt_text())
+            if (self.system_prompt or "").startswith("@") else self.system_prompt,
+            "chat_template": digest_of_text(self.chat_template_text()),
             "chat_template_kwargs": self.template_kwargs(),
             "id_column": self.id_column,
             "save_token_ids": self.save_token_ids,
@@ -311,6 +322,22 @@ class JobOptions:
         """Where this process writes: OUTDIR, or its shard's directory inside it."""
         shard = self.shard()
         return str(shard.directory(self.output)) if shard is not None else self.output
+
+
+def _template_environment():
+    """A Jinja environment that parses what transformers' chat templates may use: loop
+    controls ({% break %}, {% continue %}) and {% generation %} ... {% endgeneration %}."""
+    import jinja2
+    import jinja2.ext
+
+    class Generation(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    return jinja2.Environment(extensions=[jinja2.ext.loopcontrols, Generation])
 
 
 def local_path(name: str | None) -> str | None:

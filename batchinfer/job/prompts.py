@@ -148,8 +148,9 @@ class PromptBuilder:
 
     def __init__(self, spec: PromptSpec, params: SamplingParams, system_prompt: str | None,
                  render_chat: RenderChat, encode: Encode,
-                 chat_template_kwargs: dict | None = None):
+                 chat_template_kwargs: dict | None = None, max_n: int = 128):
         self.spec = spec
+        self.max_n = max_n  # completions one row (an OpenAI Batch line's n) may ask for
         self.params = params
         self.system_prompt = system_prompt
         self.render_chat = render_chat
@@ -304,9 +305,13 @@ class PromptBuilder:
         if not changes:
             return self.params
         try:
-            return self.params.clone(**changes)
+            params = self.params.clone(**changes)
         except (TypeError, ValueError) as e:
             raise ValueError(f"body: {e}".replace("SamplingParams.", "")) from None
+        if params.n > self.max_n:
+            raise ValueError(f"body.n = {params.n} is over the limit of {self.max_n} "
+                             "completions per row (--max-n)")
+        return params
 
 
 def _response_format_schema(response_format: Any) -> Any:

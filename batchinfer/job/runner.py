@@ -253,7 +253,7 @@ class _Loop:
             plan.spec, params, options.system_prompt_text(),
             functools.partial(engine.render_chat_text,
                               chat_template=options.chat_template_text()),
-            engine.encode_prompts, options.template_kwargs())
+            engine.encode_prompts, options.template_kwargs(), options.max_n)
         self.window: ReorderWindow[WorkItem] = ReorderWindow(options.reorder_window)
         self.target = max(1, 2 * engine.config.max_num_seqs // params.n)
         self.batches = source.batches(plan.input_schema, plan.json_columns, done, options.limit,

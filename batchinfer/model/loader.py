@@ -137,9 +137,9 @@ def iter_weights(path: Path, allow_pickle: bool) -> Iterator[tuple[str, torch.Te
     if not pickles:
         raise FileNotFoundError(f"no *.safetensors weights in {path}")
     if not allow_pickle:
-        raise ValueError(f"{path} holds only pickle weights ({pickles[0].name}); pass "
-                         "allow_pickle_weights=True (--allow-pickle-weights) to load them "
-                         "with torch.load(weights_only=True), or convert them to safetensors")
+        raise ValueError(f"{path} holds only pickle weights ({pickles[0].name}); set "
+                         "allow_pickle_weights to load them with torch.load(weights_only="
+                         "True), or convert them to safetensors")
     for file in pickles:
         state = torch.load(file, map_location="cpu", weights_only=True)
         yield from state.items()
