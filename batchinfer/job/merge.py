@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -87,16 +88,22 @@ def merge_parts(outdir: OutputDir, rows_per_file: int = 1_000_000) -> tuple[int,
                     batch_size=65536):
                 if batch.schema != schema:
                     batch = batch.cast(schema)
+                first_sample = batch.column("sample_index").to_numpy(zero_copy_only=False) == 0
                 while batch.num_rows:
+                    full = current is not None and current.entry["rows"] >= rows_per_file
+                    if full and first_sample[0]:
+                        merged.append(current.close())
+                        current = None
                     if current is None:
                         current = _MergedFile(outdir.merging, outdir.new_part_name(manifest),
                                               schema)
-                    piece = batch.slice(0, rows_per_file - current.entry["rows"])
-                    batch = batch.slice(piece.num_rows)
-                    current.write(piece, source)
-                    if current.entry["rows"] >= rows_per_file:
-                        merged.append(current.close())
-                        current = None
+                    # a cut only where an input row starts: its samples stay in one file
+                    # (the file then holds up to n - 1 rows more than asked)
+                    lo = max(rows_per_file - current.entry["rows"], 1)
+                    starts = np.flatnonzero(first_sample[lo:])
+                    cut = lo + int(starts[0]) if len(starts) else batch.num_rows
+                    current.write(batch.slice(0, cut), source)
+                    batch, first_sample = batch.slice(cut), first_sample[cut:]
         if current is not None:
             merged.append(current.close())
         if all(p.get("logprobs_order") == SAMPLED_FIRST for p in old):

@@ -261,3 +261,24 @@ def test_sighup_commits_and_exits_like_sigterm(tmp_path):
     committed = sum(e - s for s, e in done)
     assert 0 < committed < 400 and len(ids(tmp_path / "out")) == committed
 
+
+
+def test_merge_keeps_the_samples_of_a_row_in_one_file(tmp_path):
+    """With n > 1 a merged file may not end between two samples of one input row: the
+    rows a file is recorded to hold must be whole there, or recomputing them after the
+    file is lost would write the samples kept elsewhere again."""
+    from batchinfer.job.merge import merge_parts
+    assert run_fake(job(tmp_path, n=3, commit_rows=4)) == 0
+    out = OutputDir(tmp_path / "out")
+    assert merge_parts(out, rows_per_file=5)[1] > 1
+    manifest = out.read_manifest()
+    for entry in manifest.parts:
+        table = ds.dataset(out.path / entry["file"]).to_table()
+        assert sorted(table.column("sample_index").to_pylist()) == \
+            sorted(list(range(3)) * entry["input_rows"])
+    lost = manifest.parts[1]
+    (out.path / lost["file"]).unlink()
+    assert run_fake(job(tmp_path, n=3, commit_rows=4)) == 0
+    rows = ds.dataset(out.path).to_table(columns=["id", "sample_index"]).to_pylist()
+    assert sorted((r["id"], r["sample_index"]) for r in rows) == \
+        [(i, s) for i in range(ROWS) for s in range(3)]
