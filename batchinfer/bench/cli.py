@@ -9,20 +9,8 @@ from pathlib import Path
 
 import click
 
+from batchinfer import flags
 from batchinfer.bench.workloads import DATASET_NAMES, WORKLOADS
-
-_SIZE_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20,
-               "mib": 2**20, "g": 2**30, "gb": 2**30, "gib": 2**30}
-
-
-def _parse_bytes(ctx, param, value: str | None) -> int | None:
-    if value is None:
-        return None
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
-    if not m or m.group(2).lower() not in _SIZE_UNITS:
-        raise click.BadParameter(f"expected bytes such as 2147483648 or 2GiB, got {value!r}")
-    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
-
 
 def _parse_int_list(ctx, param, value: str) -> list[int]:
     try:
@@ -62,6 +50,15 @@ class _BenchGroup(click.Group):
         return kernels_main
 
 
+# the engine as `vllm bench throughput` runs it: greedy, prefix caching on
+ENGINE_DEFAULTS = {"dtype": "auto", "block_size": 16, "max_num_seqs": 256,
+                   "max_num_batched_tokens": 8192, "enable_prefix_caching": True,
+                   "gpu_memory_utilization": 0.9, "tensor_parallel_size": 1,
+                   "attention_backend": "auto", "enforce_eager": False, "load_format": "auto",
+                   "trust_remote_code": False, "allow_pickle_weights": False}
+BENCH_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "logprobs", "prompt_logprobs")
+SAMPLING_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+
 # what a --workload preset sets (the prefix-repetition dataset's own flags included)
 DATASET_FLAGS = ("dataset_name", "dataset_path", "input_len", "output_len", "random_range_ratio",
                  "prefix_len", "prefix_repetition_prefix_len", "prefix_repetition_suffix_len",
@@ -92,48 +89,12 @@ DATASET_FLAGS = ("dataset_name", "dataset_path", "input_len", "output_len", "ran
 @click.option("--prefix-repetition-suffix-len", type=int, default=256, callback=_positive)
 @click.option("--prefix-repetition-num-prefixes", type=int, default=10, callback=_positive)
 @click.option("--prefix-repetition-output-len", type=int, default=128, callback=_positive)
-@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
-              default="auto")
-@click.option("--block-size", type=int, default=16)
-@click.option("--max-num-seqs", type=int, default=256, callback=_positive)
-@click.option("--max-num-batched-tokens", type=int, default=8192, callback=_positive)
-@click.option("--max-model-len", type=int, default=None, callback=_positive)
-@click.option("--num-kv-blocks", type=int, default=None, callback=_positive)
-@click.option("--kv-cache-memory", default=None, callback=_parse_bytes,
-              help="KV cache size in bytes (suffixes KiB/MiB/GiB accepted).")
-@click.option("--enable-prefix-caching/--no-prefix-caching", default=True)
+@flags.options(flags.ENGINE_NAMES, ENGINE_DEFAULTS)
 @click.option("--compare-prefix-caching", is_flag=True,
               help="Also run with prefix caching off and report the speedup.")
-@click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True),
-              default=0.9, help="CUDA: the fraction of the device's memory the engine may "
-                                "use (weights, activations, KV cache).")
-@click.option("--tensor-parallel-size", type=int, default=1, callback=_positive)
-@click.option("--attention-backend", type=click.Choice(["auto", "torch", "triton"]),
-              default="auto")
-@click.option("--enforce-eager", is_flag=True,
-              help="CUDA: run decode steps eagerly instead of replaying CUDA graphs.")
-@click.option("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when present).")
-@click.option("--load-format", type=click.Choice(["auto", "dummy"]), default="auto",
-              help="dummy: random weights; only the config and tokenizer are read. auto: "
-                   "a directory's weights; a named shape writes random weights to disk "
-                   "only for --baseline hf on a small shape, so both systems load the same.")
-@click.option("--tokenizer", default=None, help="Tokenizer directory, when not the model's.")
-@click.option("--trust-remote-code", is_flag=True)
-@click.option("--allow-pickle-weights", is_flag=True,
-              help="Also load .bin (pickle) checkpoints, with weights_only=True.")
-@click.option("--seed", type=int, default=0)
-@click.option("--temperature", type=click.FloatRange(min=0), default=0.0,
-              help="Sample every request at this temperature (0: greedy), in our engine and "
-                   "in transformers alike.")
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0)
-@click.option("--top-k", type=click.IntRange(min=0), default=0, help="0: off.")
-@click.option("--min-p", type=click.FloatRange(0, 1), default=0.0)
-@click.option("--logprobs", type=click.IntRange(min=0), default=None,
-              help="Our engine keeps the top K logprobs of every output token (vLLM's "
-                   "SamplingParams.logprobs); not with --baseline hf.")
-@click.option("--prompt-logprobs", type=click.IntRange(min=0), default=None,
-              help="Our engine keeps the top K logprobs of every prompt token, as a "
-                   "scoring run does; not with --baseline hf.")
+@click.option("--seed", type=int, default=0,
+              help="Seed of the prompts drawn and of the engine's sampling.")
+@flags.options(BENCH_SAMPLING, SAMPLING_DEFAULTS)
 @click.option("--baseline", type=click.Choice(["none", "hf"]), default="none",
               help="hf: the same prompts through transformers (static batching and, where "
                    "the installed version has it, continuous batching).")
@@ -184,7 +145,7 @@ def bench(ctx: click.Context, **opts) -> None:
     try:
         summary = run_overhead(opts) if opts["model_stub"] else run_bench(opts)
     except (ValueError, FileNotFoundError) as e:
-        raise click.UsageError(str(e)) from None
+        raise click.UsageError(flags.engine_flags_in(str(e))) from None
     finally:  # a caller's process (or a test's) keeps its own setting
         torch.set_num_threads(threads)
     click.echo(json.dumps(summary, indent=2))

@@ -19,21 +19,16 @@ from batchinfer.bench.roofline import ModelShape, device_peak, weight_bytes_read
 from batchinfer.bench.workloads import (WORKLOADS, BenchRequest, Sampling, file_requests,
                                         prefix_repetition_requests, random_requests,
                                         workload_stats)
+from batchinfer import flags
 from batchinfer.engine.host_memory import release_freed_memory
 
 
 def _engine_kwargs(opts: dict, enable_prefix_caching: bool) -> dict:
-    return {"dtype": opts["dtype"], "seed": opts["seed"], "block_size": opts["block_size"],
-            "enable_prefix_caching": enable_prefix_caching, "max_num_seqs": opts["max_num_seqs"],
-            "max_num_batched_tokens": opts["max_num_batched_tokens"],
-            "max_model_len": opts["max_model_len"], "num_kv_blocks": opts["num_kv_blocks"],
-            "kv_cache_memory_bytes": opts["kv_cache_memory"],
-            "gpu_memory_utilization": opts["gpu_memory_utilization"],
-            "tensor_parallel_size": opts["tensor_parallel_size"],
-            "attention_backend": opts["attention_backend"],
-            "enforce_eager": opts["enforce_eager"], "device": opts["device"],
-            "tokenizer": opts["tokenizer"], "trust_remote_code": opts["trust_remote_code"],
-            "allow_pickle_weights": opts["allow_pickle_weights"]}
+    """EngineConfig keywords from the engine flags; the weights' format is the model
+    source's (models.resolve_model)."""
+    kwargs = flags.engine_values(opts)
+    del kwargs["load_format"]
+    return {**kwargs, "seed": opts["seed"], "enable_prefix_caching": enable_prefix_caching}
 
 
 def build_requests(opts: dict, vocab_size: int, tokenize) -> tuple[str, list[BenchRequest]]:
@@ -146,7 +141,7 @@ def run_bench(opts: dict) -> dict:
     """The throughput benchmark; prints the human-readable lines, returns the summary."""
     if opts["compare_prefix_caching"] and not opts["enable_prefix_caching"]:
         raise ValueError("--compare-prefix-caching runs caching on and off; "
-                         "drop --no-prefix-caching")
+                         "drop --no-enable-prefix-caching")
     if opts["baseline"] == "hf" and (opts["logprobs"] is not None
                                      or opts["prompt_logprobs"] is not None):
         raise ValueError("the transformers baseline keeps no logprobs; drop --logprobs / "

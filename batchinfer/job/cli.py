@@ -7,7 +7,8 @@ import click
 
 from batchinfer.job.config_file import load_job_file
 from batchinfer.job.errors import JobError
-from batchinfer.job.options import OUTPUT_FORMATS, JobOptions, parse_size
+from batchinfer import flags
+from batchinfer.job.options import OUTPUT_FORMATS, JobOptions
 
 
 class FatalError(click.ClickException):
@@ -31,16 +32,6 @@ class JobCommand(click.Command):
             raise FatalError(e.format_message()) from None
 
 
-class SizeType(click.ParamType):
-    name = "SIZE"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
-        try:
-            return parse_size(value)
-        except ValueError as e:
-            self.fail(str(e), param, ctx)
-
-
 def _options(f):
     """The flags of `run`, in groups; every default is None so a job file can fill it (and
     every on/off flag has its --no- form, so a flag given here can turn a file's value off)."""
@@ -60,49 +51,18 @@ def _options(f):
           help='Extra chat template variables, e.g. \'{"enable_thinking": false}\'.'),
         O("--id-column", help="Column whose value becomes `id` (default: the row index)."),
         O("--limit", type=click.IntRange(min=0), help="Process only the first N input rows."),
-        # SamplingParams
-        O("--max-tokens", type=int, help="Max tokens per completion (default 16)."),
-        O("--min-tokens", type=int, help="Min tokens before EOS/stop may end a completion."),
-        O("--temperature", type=float, help="0 = greedy (default 1.0)."),
-        O("--top-p", type=float), O("--top-k", type=int), O("--min-p", type=float),
-        O("--seed", type=int, help="Sampling seed of every request (SamplingParams.seed)."),
-        O("--n", type=int, help="Completions per prompt."),
+        # SamplingParams (batchinfer/flags.py), then constraints on every completion
+        flags.options(flags.SAMPLING_NAMES),
         O("--max-n", type=click.IntRange(min=1),
           help="Most completions one row may ask for (--n, an OpenAI line's n; default 128)."),
-        O("--stop", multiple=True, help="Stop string (repeatable)."),
-        O("--stop-token-ids", type=int, multiple=True, help="Stop token id (repeatable)."),
         O("--choice", multiple=True,
           help="Every completion is exactly one of these strings (repeatable)."),
         O("--regex", metavar="PATTERN",
           help="Every completion matches this regular expression."),
         O("--json-schema", metavar="JSON",
           help="Every completion is a JSON instance of this schema (@FILE reads a file)."),
-        O("--ignore-eos/--no-ignore-eos", default=None),
-        O("--repetition-penalty", type=float), O("--presence-penalty", type=float),
-        O("--frequency-penalty", type=float),
-        O("--logprobs", type=int, help="Save the top-K logprobs of each token (adds columns)."),
-        O("--prompt-logprobs", type=int,
-          help="Save each prompt token's logprob and the top K there (adds columns)."),
-        O("--truncate-prompt-tokens", type=int,
-          help="Keep only the last K prompt tokens (-1: as many as --max-model-len allows)."),
-        O("--include-stop-str-in-output/--no-include-stop-str-in-output", default=None),
-        O("--skip-special-tokens/--no-skip-special-tokens", default=None),
-        # EngineConfig
-        O("--dtype", help="auto (default), float32, bfloat16 or float16."),
-        O("--block-size", type=int), O("--max-num-seqs", type=int),
-        O("--max-num-batched-tokens", type=int), O("--max-model-len", type=int),
-        O("--kv-cache-memory", type=SizeType(), help="KV cache size, e.g. 4GiB."),
-        O("--num-kv-blocks", type=int, help="KV cache size in blocks (overrides sizing)."),
-        O("--gpu-memory-utilization", type=float),
-        O("--prefix-caching/--no-prefix-caching", default=None),
-        O("--tensor-parallel-size", type=int),
-        O("--attention-backend", help="auto (default), torch or triton."),
-        O("--enforce-eager/--no-enforce-eager", default=None,
-          help="CUDA: run decode steps eagerly instead of replaying CUDA graphs."),
-        O("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)."),
-        O("--tokenizer", help="Tokenizer directory, when not the model's."),
-        O("--trust-remote-code/--no-trust-remote-code", default=None),
-        O("--allow-pickle-weights/--no-allow-pickle-weights", default=None),
+        # EngineConfig (batchinfer/flags.py)
+        flags.options(flags.ENGINE_NAMES),
         # The job
         O("--num-shards", type=click.IntRange(min=1),
           help="Split the input among this many independent runs (e.g. a Slurm array)."),

@@ -18,6 +18,8 @@ from batchinfer.job.errors import JobError
 _PATH_KEYS = ("input", "output", "metrics_textfile", "chat_template")
 # the options whose TOML value is a table of their own (the flags take it as JSON)
 _TABLE_VALUED = ("chat_template_kwargs", "json_schema")
+# earlier names of options, still read
+_ALIASES = {"prefix_caching": "enable_prefix_caching"}
 
 
 def load_job_file(path: str | Path) -> dict[str, Any]:
@@ -38,6 +40,7 @@ def load_job_file(path: str | Path) -> dict[str, Any]:
         items = value.items() if isinstance(value, dict) else [(key, value)]
         for name, v in items:
             name = name.replace("-", "_")
+            name = _ALIASES.get(name, name)
             if name in _TABLE_VALUED and isinstance(v, dict):
                 v = json.dumps(v)
             if name in values:

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from batchinfer.flags import ENGINE_NAMES, SAMPLING_NAMES, engine_flags_in, engine_kwargs
 from batchinfer.job.errors import JobError
 from batchinfer.job.manifest import META_DIR, digest_of_text
 from batchinfer.job.shard import Shard
@@ -15,46 +16,7 @@ from batchinfer.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from batchinfer.config import EngineConfig
 
-# Options passed through to SamplingParams under the same name (None = its default).
-SAMPLING_OPTIONS = (
-    "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
-    "stop_token_ids", "ignore_eos", "repetition_penalty", "presence_penalty",
-    "frequency_penalty", "logprobs", "prompt_logprobs", "truncate_prompt_tokens",
-    "include_stop_str_in_output",
-    "skip_special_tokens",
-)
-# Option name -> EngineConfig field (None = the engine's default).
-ENGINE_OPTIONS = {
-    "dtype": "dtype", "block_size": "block_size", "max_num_seqs": "max_num_seqs",
-    "max_num_batched_tokens": "max_num_batched_tokens", "max_model_len": "max_model_len",
-    "kv_cache_memory": "kv_cache_memory_bytes", "num_kv_blocks": "num_kv_blocks",
-    "gpu_memory_utilization": "gpu_memory_utilization",
-    "prefix_caching": "enable_prefix_caching", "tensor_parallel_size": "tensor_parallel_size",
-    "attention_backend": "attention_backend", "enforce_eager": "enforce_eager",
-    "device": "device", "tokenizer": "tokenizer",
-    "trust_remote_code": "trust_remote_code", "allow_pickle_weights": "allow_pickle_weights",
-}
 OUTPUT_FORMATS = ("parquet", "openai")
-_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
-               "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
-               "tib": 2**40}
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes from "4GiB", "512MB", "1.5g" or a plain integer."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError(f"not a size: {text!r} (examples: 4GiB, 512MiB, 2GB)")
-    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
-
-
-def engine_flags_in(message: str) -> str:
-    """An engine error message with EngineConfig field names replaced by their flags."""
-    for name, field_ in ENGINE_OPTIONS.items():
-        message = re.sub(rf"\b{field_}\b", flag(name), message)
-    return message
 
 
 def flag(name: str) -> str:
@@ -107,10 +69,11 @@ class JobOptions:
     kv_cache_memory: int | None = None
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float | None = None
-    prefix_caching: bool | None = None
+    enable_prefix_caching: bool | None = None
     tensor_parallel_size: int | None = None
     attention_backend: str | None = None
     enforce_eager: bool | None = None
+    load_format: str | None = None
     device: str | None = None
     tokenizer: str | None = None
     trust_remote_code: bool | None = None
@@ -204,7 +167,7 @@ class JobOptions:
             raise JobError(f"{name}: needs a file path in an existing directory")
 
     def sampling_params(self) -> SamplingParams:
-        kwargs = {k: getattr(self, k) for k in SAMPLING_OPTIONS if getattr(self, k) is not None}
+        kwargs = {k: getattr(self, k) for k in SAMPLING_NAMES if getattr(self, k) is not None}
         given = [f for f, v in (("--choice", self.choice), ("--regex", self.regex),
                                 ("--json-schema", self.json_schema)) if v]
         if len(given) > 1:
@@ -227,8 +190,7 @@ class JobOptions:
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of LLMEngine.from_kwargs, without `model`."""
-        return {field_: getattr(self, name) for name, field_ in ENGINE_OPTIONS.items()
-                if getattr(self, name) is not None}
+        return engine_kwargs({name: getattr(self, name) for name in ENGINE_NAMES})
 
     def engine_config(self) -> "EngineConfig":
         from batchinfer.config import EngineConfig  # imports torch: not needed for --help

@@ -27,7 +27,8 @@ from batchinfer.job.errors import JobError, OutputFailed
 from batchinfer.job.manifest import Manifest, OutputDir, fingerprint, now_iso, os_error_message
 from batchinfer.job.metrics import JobMetrics
 from batchinfer.job.openai_output import write_openai_output
-from batchinfer.job.options import JobOptions, engine_flags_in, flag
+from batchinfer.flags import engine_flags_in
+from batchinfer.job.options import JobOptions, flag
 from batchinfer.job.ordering import ReorderWindow
 from batchinfer.job.progress import Progress
 from batchinfer.job.prompts import (PromptBuilder, PromptSpec, WorkItem, check_kinds,

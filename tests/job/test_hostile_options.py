@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from batchinfer.job.errors import JobError
-from batchinfer.job.options import JobOptions, engine_flags_in
+from batchinfer.flags import engine_flags_in
+from batchinfer.job.options import JobOptions
 from batchinfer.job.runner import run_job
 from fake_engine import FakeEngine
 

@@ -11,7 +11,8 @@ from batchinfer.job.cli import merge
 from batchinfer.job.config_file import load_job_file
 from batchinfer.job.errors import JobError
 from batchinfer.job.manifest import OutputDir
-from batchinfer.job.options import JobOptions, parse_size
+from batchinfer.flags import parse_size
+from batchinfer.job.options import JobOptions
 from batchinfer.job.runner import run_job
 from fake_engine import FakeEngine
 
