@@ -31,10 +31,9 @@ from typing import IO, TextIO
 
 from batchinfer.job.errors import JobError
 from batchinfer.job.options import JobOptions
+from batchinfer.job.signals import DP_CHILD
 
-# set in the processes this module starts
-DP_CHILD = "BATCHINFER_DATA_PARALLEL_CHILD"
-_PR_SET_PDEATHSIG = 1
+_PR_SET_PDEATHSIG = 1  # prctl's option: a signal when the parent dies
 
 
 def check(options: JobOptions) -> None:

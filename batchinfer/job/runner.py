@@ -11,18 +11,15 @@ SIGHUP stop the loop after the current step; finished rows are committed and the
 from __future__ import annotations
 
 import functools
-import os
 import re
 import signal
 import sys
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 from batchinfer.engine.gc_freeze import startup_heap_frozen
-from batchinfer.job.data_parallel import DP_CHILD
 from batchinfer.job.errors import JobError, OutputFailed
 from batchinfer.job.manifest import Manifest, OutputDir, fingerprint, now_iso, os_error_message
 from batchinfer.job.metrics import JobMetrics
@@ -37,6 +34,7 @@ from batchinfer.job.rangeset import RangeSet
 from batchinfer.job.reader import Source, open_input
 from batchinfer.job.schema import schema_from_json, schema_to_json
 from batchinfer.job.shard import check_layout
+from batchinfer.job.signals import StopSignals
 from batchinfer.job.summary import compute_summary, print_table, write_summary
 from batchinfer.job.writer import PartWriter, error_rows, output_schema, sample_rows
 
@@ -67,37 +65,6 @@ class JobResult:
     exit_code: int
     summary: dict[str, Any]
     output: Path
-
-
-class StopSignals:
-    """Turns the first SIGTERM/SIGINT/SIGHUP into a request to stop; a second one kills at
-    once."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> "StopSignals":
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.signum is not None:
-            if signum == signal.SIGTERM and os.environ.get(DP_CHILD):
-                return  # a data-parallel process: the launcher's SIGTERM may follow Slurm's
-            signal.signal(signum, signal.SIG_DFL)
-            signal.raise_signal(signum)
-        self.signum = signum
-
-    def __exit__(self, *exc: Any) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    @property
-    def requested(self) -> bool:
-        return self.signum is not None
 
 
 @dataclass
