@@ -17,14 +17,14 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 from batchinfer.engine.gc_freeze import startup_heap_frozen
+from batchinfer.flags import engine_flags_in
 from batchinfer.job.errors import JobError, OutputFailed
 from batchinfer.job.manifest import Manifest, OutputDir, fingerprint, now_iso, os_error_message
 from batchinfer.job.metrics import JobMetrics
 from batchinfer.job.openai_output import write_openai_output
-from batchinfer.flags import engine_flags_in
 from batchinfer.job.options import JobOptions, flag
 from batchinfer.job.ordering import ReorderWindow
 from batchinfer.job.progress import Progress
@@ -37,11 +37,37 @@ from batchinfer.job.shard import check_layout
 from batchinfer.job.signals import StopSignals
 from batchinfer.job.summary import compute_summary, print_table, write_summary
 from batchinfer.job.writer import PartWriter, error_rows, output_schema, sample_rows
+from batchinfer.outputs import RequestOutput
+from batchinfer.sampling_params import SamplingParams
 
-EngineFactory = Callable[[str, dict[str, Any]], Any]
+class Engine(Protocol):
+    """What the job needs of an engine: LLMEngine (batchinfer/engine/engine.py), or a
+    stand-in in the job tests (tests/job/fake_engine.py; a test holds both to this)."""
+    config: Any  # its max_num_seqs sizes how many rows are in flight
+
+    def check_params(self, params: SamplingParams) -> None: ...
+
+    def render_chat_text(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                         chat_template: str | None = None,
+                         chat_template_kwargs: dict | None = None) -> str: ...
+
+    def encode_prompts(self, texts: list[str],
+                       add_special_tokens: bool = True) -> list[list[int]]: ...
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def shutdown(self) -> None: ...
 
 
-def load_engine(model: str, kwargs: dict[str, Any]) -> Any:
+EngineFactory = Callable[[str, dict[str, Any]], Engine]
+
+
+def load_engine(model: str, kwargs: dict[str, Any]) -> Engine:
     from batchinfer.engine.engine import LLMEngine
     return LLMEngine.from_kwargs(model, **kwargs)
 
@@ -197,9 +223,7 @@ def _run_engine(options: JobOptions, source: Source, plan: _Plan, writer: PartWr
             return loop.run(stop)
         finally:
             progress.close()
-            shutdown = getattr(engine, "shutdown", None)  # tensor-parallel workers
-            if shutdown is not None:
-                shutdown()
+            engine.shutdown()  # tensor-parallel workers
     finally:
         metrics.close()
 
@@ -208,7 +232,7 @@ class _Loop:
     """Reads rows into the reorder window, keeps the engine fed, records what finishes."""
 
     def __init__(self, options: JobOptions, source: Source, plan: _Plan, writer: PartWriter,
-                 done: RangeSet, engine: Any, metrics: JobMetrics, progress: Progress):
+                 done: RangeSet, engine: Engine, metrics: JobMetrics, progress: Progress):
         self.options = options
         self.writer = writer
         self.logprobs = "logprobs" in writer.schema.names

@@ -69,6 +69,9 @@ class FakeEngine:
     def check_params(self, params: SamplingParams) -> None:
         pass
 
+    def shutdown(self) -> None:
+        pass
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._queue)
 
@@ -84,8 +87,9 @@ class FakeEngine:
                 "num_preemptions": 0, "num_free_blocks": 0, "num_total_blocks": 0,
                 "num_running": 0, "num_waiting": len(self._queue), "kv_cache_usage": 0.0}
 
-    def render_chat_text(self, messages: list[dict], add_generation_prompt: bool = True,
-                         **kwargs: Any) -> str:
+    def render_chat_text(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                         chat_template: str | None = None,
+                         chat_template_kwargs: dict | None = None) -> str:
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
         for m in messages:

@@ -15,7 +15,8 @@ from local_cluster import LocalSlurm, ensure_installed  # noqa: E402
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "slurm: starts a real single-node Slurm cluster (apt-get installs "
-        "slurm-wlm and munge when root; skipped when Slurm cannot be installed)")
+        "slurm-wlm and munge as root in CI or with BATCHINFER_INSTALL_SLURM=1; skipped "
+        "when Slurm is missing and cannot be installed)")
 
 
 @pytest.fixture(scope="session")
