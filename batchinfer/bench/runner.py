@@ -87,14 +87,14 @@ def _run_ours(source: ModelSource, opts: dict, enable_prefix_caching: bool,
             workload_name, requests = build_requests(opts, engine.model_config.vocab_size,
                                                      engine.tokenizer.encode)
         runner = engine.model_runner
-        _check_fits(requests, engine.config.max_model_len, runner.num_blocks * runner.block_size)
+        _check_fits(requests, engine.max_model_len, runner.num_blocks * runner.block_size)
         model = engine.model_runner.model
         param = next(model.parameters())
         shape = ModelShape.from_config(engine.model_config)
         tied = bool(getattr(engine.model_config, "tie_word_embeddings", False))
         facts = {"requests": requests, "workload": workload_name, "dtype": param.dtype,
                  "device": param.device, "shape": shape,
-                 "max_model_len": engine.config.max_model_len}
+                 "max_model_len": engine.max_model_len}
         warm_up(engine, shape.vocab_size, opts["seed"])
         run = run_workload(engine, requests, _sampling(opts))
         num_blocks = engine.stats().get("num_total_blocks")

@@ -98,8 +98,7 @@ class LLMEngine:
             if failed is not None and not isinstance(e, WorkerError):
                 raise WorkerError(failed) from e
             raise
-        self.max_model_len = self.model_runner.max_model_len
-        config.max_model_len = self.max_model_len
+        self.max_model_len = self.model_runner.max_model_len  # resolved: the caller's config
         self.kv = KVCacheManager(self.model_runner.num_blocks, config.block_size,
                                  config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)

@@ -307,3 +307,13 @@ def test_text_held_back_for_an_incomplete_character_ends_the_request(llm):
             assert plain.outputs[0].text.endswith("\ufffd")
             checked += 1
     assert checked >= 2
+
+
+def test_the_callers_config_is_not_written_back(llama_dir):
+    """The engine resolves max_model_len for itself; the EngineConfig it was given keeps
+    what the caller asked for (None: the model's)."""
+    from batchinfer.config import EngineConfig
+    from batchinfer.engine.engine import LLMEngine
+    config = EngineConfig(model=str(llama_dir), dtype="float32", num_kv_blocks=64)
+    engine = LLMEngine(config)
+    assert engine.max_model_len > 0 and config.max_model_len is None
