@@ -1,6 +1,7 @@
 """The README and docs/ stay true to the code: every flag of every command is in its table
-in docs/cli.md (and nothing else is), the README stays short and its test command is the
-one CI runs, and every relative link points to a file that exists."""
+in docs/cli.md (and nothing else is), the examples use only real flags, the README stays
+short and its test command is the one CI runs, and every relative link points to a file
+that exists."""
 import re
 import shlex
 from pathlib import Path
@@ -131,11 +132,38 @@ def test_readme_quick_start_test_command_is_what_ci_runs():
         ".ci/run's pytest must run the whole suite, as the README's command does")
 
 
-_LINK = re.compile(r"\]\(([^)\s]+)\)")
-
-
 def _markdown_files() -> list[Path]:
     return [README, *sorted(DOCS.glob("*.md"))]
+
+
+_COMMAND = re.compile(r"(?:^|&&|\s)(?:\S*/)?batchinfer (bench kernels|run|merge|bench)\b(.*)")
+
+
+def example_commands() -> list[tuple[str, str, list[str]]]:
+    """(file, command, flags) of each `batchinfer COMMAND ...` line in the bash examples."""
+    found = []
+    for path in _markdown_files():
+        for block in re.findall(r"```bash\n(.*?)```", path.read_text(), flags=re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                m = _COMMAND.search(line)
+                if not m:
+                    continue
+                words = shlex.split(m.group(2).split("&&")[0], comments=True)
+                flags = [w.split("=")[0] for w in words if re.match(r"--?[A-Za-z]", w)]
+                found.append((path.name, m.group(1), flags))
+    return found
+
+
+def test_examples_use_real_flags():
+    commands = _commands()
+    examples = example_commands()
+    assert len(examples) > 20
+    bad = [(name, command, flag) for name, command, flags in examples for flag in flags
+           if flag not in real_flags(*commands[command])]
+    assert not bad, f"examples with flags their command does not have: {bad}"
+
+
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
 @pytest.mark.parametrize("path", _markdown_files(), ids=lambda p: str(p.relative_to(REPO)))
