@@ -1,0 +1,259 @@
+"""The row-oriented text formats — JSON lines, a JSON array, CSV — as raw rows, each with
+where it is, and parsed into values."""
+from __future__ import annotations
+
+import csv
+import json
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from batchinfer.job.errors import JobError
+from batchinfer.job.schema import contains_type, storable
+
+_INT = re.compile(r"[+-]?\d+")
+_FLOAT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|[+-]?(inf|nan)", re.IGNORECASE)
+_SURROGATE = re.compile("[\udc80-\udcff]")
+_MAX_QUOTED = 80
+
+Where = tuple[str, int]  # ("name.jsonl:", line) or ("name.json: element ", n)
+
+
+def raw_rows(path: Path, fmt: str) -> Iterator[tuple[Where, Any]]:
+    """Each row of the file unparsed, with where it is (formatted only when a row turns out
+    bad)."""
+    if fmt == "csv":
+        return _csv_rows(path)
+    if _is_json_array(path):
+        return _json_array_rows(path)
+    return _jsonl_rows(path)
+
+
+def parse_row(fmt: str, raw: Any, converters: dict[str, Callable] | None
+              ) -> tuple[dict[str, Any] | None, str | None]:
+    """A raw row's values, or why it has none."""
+    if fmt == "csv":
+        return _parse_csv(raw, converters)
+    return _parse_json(raw)
+
+
+# ---- JSON ----------------------------------------------------------------------------
+def arrow_json_schema(files: list[Path]) -> tuple[pa.Schema, int] | None:
+    """The schema and row count of JSON lines files as Arrow's JSON reader (C++, ~20x
+    faster than a Python scan) sees them, for the common case of clean JSON lines with one
+    type per column. None when anything is unusual (a bad line, a column whose type
+    changes, a JSON array, text Arrow would read as a timestamp): the Python scan then
+    handles it row by row."""
+    import pyarrow.json as pj
+    if any(_is_json_array(p) for p in files):
+        return None
+    schemas, rows = [], 0
+    try:
+        for path in files:
+            reader = pj.open_json(path)
+            for batch in reader:
+                rows += batch.num_rows
+            schemas.append(reader.schema)
+        schema = pa.unify_schemas(schemas)
+    except (pa.ArrowException, OSError):
+        return None
+    if rows == 0 or any(contains_type(f.type, pa.types.is_temporal) or not storable(f.type)
+                        for f in schema):
+        return None
+    # Arrow reads an integer beyond int64 as a float64 (and the rows then fail to convert):
+    # the Python scan keeps such a column as JSON text, exactly
+    if any(contains_type(f.type, pa.types.is_floating) for f in schema) and any(
+            _has_big_integer(p) for p in files):
+        return None
+    return schema, rows
+
+
+def _has_big_integer(path: Path, chunk: int = 1 << 24) -> bool:
+    """Whether the file holds a _BIG_INTEGER, read a chunk at a time (chunks overlap, so a
+    number across a boundary is seen whole)."""
+    tail = b""
+    with open(path, "rb") as f:
+        while data := f.read(chunk):
+            if _BIG_INTEGER.search(tail + data):
+                return True
+            tail = data[-64:]
+    return False
+
+
+# an integer literal of 19 digits or more: it may not fit int64 (JSON strings that hold
+# such digits match too; they only cost the faster inspection)
+_BIG_INTEGER = re.compile(rb"(?<![\d.eE])-?\d{19,}(?![\d.eE])")
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[Where, bytes]]:
+    prefix = f"{path.name}:"
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if lineno == 1 and line.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark
+                line = line[3:]
+            if line.strip():
+                yield (prefix, lineno), line
+
+
+def _is_json_array(path: Path) -> bool:
+    if path.suffix.lower() != ".json":
+        return False
+    with open(path, "rb") as f:
+        first = True
+        while chunk := f.read(4096):
+            if first and chunk.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark
+                chunk = chunk[3:]
+            first = False
+            stripped = chunk.lstrip()
+            if stripped:
+                return stripped.startswith(b"[")
+    return False
+
+
+def _json_array_rows(path: Path) -> Iterator[tuple[Where, Any]]:
+    """Elements of a top-level JSON array, parsed one at a time from a growing buffer.
+
+    A syntax error ends the file (there is no way to find the next element): it comes out
+    as one failed row naming the position."""
+    decoder = json.JSONDecoder()
+    ws = re.compile(r"[ \t\n\r]*")
+    prefix = f"{path.name}: element "
+    # utf-8-sig: a byte order mark (as editors and Excel write) is skipped
+    with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:
+        buf, pos, offset, eof, element = "", 0, 0, False, 0
+
+        def fill() -> bool:
+            nonlocal buf, pos, offset, eof
+            chunk = f.read(1 << 20)
+            if not chunk:
+                eof = True
+                return False
+            offset += pos
+            buf, pos = buf[pos:] + chunk, 0
+            return True
+
+        def skip_ws() -> str:
+            nonlocal pos
+            while True:
+                pos = ws.match(buf, pos).end()
+                if pos < len(buf) or not fill():
+                    return buf[pos:pos + 1]
+
+        def failure(why: str) -> tuple[str, Exception]:
+            return (prefix, element), ValueError(
+                f"invalid JSON at character {offset + pos} ({why}); the rest of the file "
+                "cannot be read")
+
+        skip_ws()
+        pos += 1  # the "["
+        while True:
+            char = skip_ws()
+            if char == "]":
+                return
+            if char == "":
+                yield failure("the array is not closed")
+                return
+            while True:
+                try:
+                    value, end = decoder.raw_decode(buf, pos)
+                except json.JSONDecodeError as e:
+                    if not eof and fill():
+                        continue
+                    yield failure(e.msg)
+                    return
+                if end == len(buf) and not eof and fill():
+                    continue  # a number may continue in the next chunk
+                break
+            raw_text = buf[pos:end]
+            pos = end
+            element += 1
+            if _SURROGATE.search(raw_text):
+                yield (prefix, element - 1), UnicodeError("invalid UTF-8")
+            else:
+                yield (prefix, element - 1), value
+            char = skip_ws()
+            if char == ",":
+                pos += 1
+            elif char != "]":
+                yield failure("expected ',' or ']' after an element")
+                return
+
+
+def _parse_json(raw: Any) -> tuple[dict[str, Any] | None, str | None]:
+    if isinstance(raw, Exception):
+        return None, str(raw)
+    if isinstance(raw, bytes):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            return None, f"invalid UTF-8 at byte {e.start}"
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            return None, f"invalid JSON ({e.msg} at column {e.colno}): {_quote(text)}"
+    if not isinstance(raw, dict):
+        return None, f"expected a JSON object, got {_json_type(raw)}"
+    return raw, None
+
+
+def _json_type(value: Any) -> str:
+    return {list: "an array", str: "a string", bool: "a boolean", int: "a number",
+            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _quote(text: str) -> str:
+    text = text.strip()
+    return repr(text if len(text) <= _MAX_QUOTED else text[:_MAX_QUOTED] + "...")
+
+
+# ---- CSV -----------------------------------------------------------------------------
+def _csv_rows(path: Path) -> Iterator[tuple[Where, Any]]:
+    # utf-8-sig: a byte order mark (Excel's "CSV UTF-8") is skipped
+    with open(path, encoding="utf-8-sig", errors="surrogateescape", newline="") as f:
+        reader = csv.reader(f)
+        prefix = f"{path.name}:"
+        header = next(reader, None)
+        if header is None:
+            return
+        if len(set(header)) != len(header):
+            raise JobError(f"{path}: the header repeats a column name: {header}")
+        if any(_SURROGATE.search(h) for h in header):
+            raise JobError(f"{path}: the header is not valid UTF-8")
+        for record in reader:
+            if record:
+                yield (prefix, reader.line_num), (header, record)
+
+
+def _csv_value(text: str) -> Any:
+    if text == "":
+        return None
+    if _INT.fullmatch(text):
+        return int(text)
+    if _FLOAT.fullmatch(text):
+        return float(text)
+    return text
+
+
+def csv_converters(schema: pa.Schema) -> dict[str, Callable[[str], Any]]:
+    """Per numeric column, how to turn its text into a value; other columns stay text."""
+    numeric = {pa.int64(): int, pa.float64(): float}
+    return {f.name: numeric[f.type] for f in schema if f.type in numeric}
+
+
+def _parse_csv(raw: tuple[list[str], list[str]], converters: dict[str, Callable] | None
+               ) -> tuple[dict[str, Any] | None, str | None]:
+    header, record = raw
+    if len(record) != len(header):
+        return None, f"expected {len(header)} fields, got {len(record)}"
+    if any(_SURROGATE.search(v) for v in record):
+        return None, "invalid UTF-8"
+    if converters is None:  # inspecting: every value in its most specific kind
+        return {h: _csv_value(v) for h, v in zip(header, record)}, None
+    values = {}
+    for name, text in zip(header, record):
+        convert = converters.get(name)
+        values[name] = None if text == "" else (convert(text) if convert else text)
+    return values, None
