@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,9 +86,12 @@ class Source:
 
     def inspect(self) -> Inspection:
         if self.format == "parquet":
-            schemas = [pq.read_schema(p) for p in self.files]
+            schemas, rows = [], 0
+            for path in self.files:
+                with _parquet_file(path) as parquet:
+                    schemas.append(parquet.schema_arrow)
+                    rows += parquet.metadata.num_rows
             schema = _unify_schemas(schemas, self.spec)
-            rows = sum(pq.ParquetFile(p).metadata.num_rows for p in self.files)
             return Inspection(schema.names, rows, arrow_schema=schema)
         if self.format == "arrow":
             dataset = self._dataset()
@@ -162,9 +166,10 @@ class Source:
                           shard: Shard | None) -> Iterator[list[InputRow]]:
         start = 0
         for batch in self._arrow_batches():
-            for name, column in zip(batch.schema.names, batch.columns):
-                if pa.types.is_dictionary(column.type) and name not in self.dictionaries:
-                    self.dictionaries[name] = column.dictionary
+            if isinstance(batch, pa.RecordBatch):
+                for name, column in zip(batch.schema.names, batch.columns):
+                    if pa.types.is_dictionary(column.type) and name not in self.dictionaries:
+                        self.dictionaries[name] = column.dictionary
             end = start + batch.num_rows
             first, last = start, end if stop is None else min(end, stop)
             start = end
@@ -176,15 +181,18 @@ class Source:
             for a, b in _owned_runs(first, last, shard):
                 if done.covers(a, b):
                     continue
-                out += [row for row in _columnar_rows(batch.slice(a - first, b - a), a, schema)
-                        if row.index not in done]
+                if isinstance(batch, _Unreadable):
+                    rows = [InputRow(i, {}, batch.reason) for i in range(a, b)]
+                else:
+                    rows = _columnar_rows(batch.slice(a - first, b - a), a, schema)
+                out += [row for row in rows if row.index not in done]
             if out:
                 yield out
 
-    def _arrow_batches(self) -> Iterator[pa.RecordBatch]:
+    def _arrow_batches(self) -> Iterator[pa.RecordBatch | _Unreadable]:
         if self.format == "parquet":
             for path in self.files:
-                yield from pq.ParquetFile(path).iter_batches(batch_size=BATCH_ROWS)
+                yield from _parquet_batches(path)
             return
         for table in self._dataset().with_format("arrow").iter(batch_size=BATCH_ROWS):
             yield from table.to_batches()
@@ -193,6 +201,49 @@ class Source:
         if self.files:
             return _load_from_disk(Path(self.dataset_path), self.split, self.spec)
         return _load_hub_dataset(self.dataset_path, self.split or "train", self.spec)
+
+
+@dataclass
+class _Unreadable:
+    """Rows of a Parquet row group that could not be read, and why."""
+    num_rows: int
+    reason: str
+
+
+@contextmanager
+def _parquet_file(path: Path) -> Iterator[pq.ParquetFile]:
+    """The file opened, its footer read; JobError naming it when it is not readable Parquet
+    (empty, truncated, not Parquet, a schema nested deeper than Parquet readers go)."""
+    try:
+        source = pa.OSFile(str(path))
+    except OSError as e:
+        raise JobError(f"INPUT {path}: cannot open it: {_first_line(e)}") from None
+    with source:
+        try:
+            parquet = pq.ParquetFile(source)
+        except (pa.ArrowException, OSError) as e:
+            raise JobError(f"INPUT {path}: not a readable Parquet file: "
+                           f"{_first_line(e)}") from None
+        yield parquet
+
+
+def _parquet_batches(path: Path) -> Iterator[pa.RecordBatch | _Unreadable]:
+    """The file's rows in batches, row group by row group: a row group that fails to read
+    (a corrupt page) gives its unread rows, counted by the footer, as one _Unreadable."""
+    with _parquet_file(path) as parquet:
+        for group in range(parquet.num_row_groups):
+            expected, read = parquet.metadata.row_group(group).num_rows, 0
+            try:
+                for batch in parquet.iter_batches(BATCH_ROWS, row_groups=[group]):
+                    read += batch.num_rows
+                    yield batch
+            except (pa.ArrowException, OSError) as e:
+                yield _Unreadable(expected - read, f"{path.name}: row group {group} "
+                                                   f"cannot be read: {_first_line(e)}")
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
 def _owned_runs(first: int, last: int, shard: Shard | None) -> Iterator[tuple[int, int]]:

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import json
 
+import pyarrow as pa
 import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 import pytest
+from click.testing import CliRunner
 
 from batchinfer import SamplingParams
+from fake_engine import FakeEngine
+from jobtools import corrupt_row_group
 
 GOOD = ["The river runs", "Once upon a time", "A short note on"]
 
@@ -208,3 +213,48 @@ def test_flags_beyond_the_models_vocabulary(tmp_path, run_cli, flags, words):
     (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
     assert_fatal(run_cli(tmp_path / "in.jsonl", "-o", tmp_path / "out", *flags), *words)
     assert not list((tmp_path / "out").glob("part-*"))
+
+
+# ---- inputs that reach the limits of the parsers and of Parquet (the stand-in engine) ---
+@pytest.fixture
+def fake_cli(monkeypatch):
+    """`batchinfer run` with the stand-in engine (no model): the job machinery alone."""
+    from batchinfer.job.cli import run
+    monkeypatch.setattr("batchinfer.job.runner.check_model", lambda model, tokenizer: None)
+    monkeypatch.setattr("batchinfer.job.runner.load_engine", FakeEngine.factory)
+
+    def invoke(*args):
+        argv = ["--model", "stand-in", "--max-tokens", "2", "--no-progress", *map(str, args)]
+        return CliRunner().invoke(run, argv, catch_exceptions=False)
+    return invoke
+
+
+def read_output(outdir) -> dict:
+    """The output rows by id (every part file read, with one schema)."""
+    return {r["id"]: r for r in ds.dataset(outdir).to_table().to_pylist()}
+
+
+@pytest.mark.parametrize("body", [b"", b"truncated"])
+def test_an_unreadable_parquet_file_exits_2_naming_it(tmp_path, fake_cli, no_model_load, body):
+    if body:
+        pq.write_table(pa.table({"prompt": ["a", "b"]}), tmp_path / "in.parquet")
+        body = (tmp_path / "in.parquet").read_bytes()[:-30]
+    (tmp_path / "in.parquet").write_bytes(body)
+    assert_fatal(fake_cli(tmp_path / "in.parquet", "-o", tmp_path / "out"), "in.parquet",
+                 "not a readable Parquet file")
+
+
+def test_a_corrupt_parquet_page_fails_its_row_group_and_the_job_finishes(tmp_path, fake_cli):
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": [f"prompt number {i} " * 5 for i in range(3000)]}), path,
+                   row_group_size=1000, compression="snappy")
+    corrupt_row_group(path, 1)
+    result = fake_cli(path, "-o", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    rows = read_output(tmp_path / "out")
+    assert len(rows) == 3000
+    failed = sorted(i for i, r in rows.items() if r["finish_reason"] == "error")
+    assert failed == list(range(1000, 2000))
+    assert "row group 1 cannot be read" in rows[1500]["error"]
+    again = fake_cli(path, "-o", tmp_path / "out")
+    assert again.exit_code == 0 and "already done" in again.stderr

@@ -11,6 +11,7 @@ from batchinfer.job.errors import JobError
 from batchinfer.job.rangeset import RangeSet
 from batchinfer.job.reader import open_input
 from batchinfer.job.schema import ColumnTypes
+from jobtools import corrupt_row_group
 
 
 def read_all(spec, restrict=None, done=(), stop=None):
@@ -191,3 +192,30 @@ def test_extension_typed_columns_come_back_through_the_writer():
     table = to_table([{"flag": True}, {"flag": False}, {"flag": None}], schema)
     assert table.schema.field("flag").type == type_
     assert table.column("flag").to_pylist() == [True, False, None]
+
+
+@pytest.mark.parametrize("body", [b"", b"PAR1", b"truncated"])
+def test_an_unreadable_parquet_file_is_refused_by_name(tmp_path, body):
+    if body == b"truncated":
+        pq.write_table(pa.table({"prompt": ["a", "b"]}), tmp_path / "x.parquet")
+        body = (tmp_path / "x.parquet").read_bytes()[:-20]
+    (tmp_path / "d").mkdir()
+    pq.write_table(pa.table({"prompt": ["fine"]}), tmp_path / "d" / "0.parquet")
+    (tmp_path / "d" / "1.parquet").write_bytes(body)
+    with pytest.raises(JobError, match=r"1\.parquet"):
+        open_input(str(tmp_path / "d")).inspect()
+
+
+def test_a_corrupt_row_group_fails_its_rows_only(tmp_path):
+    prompts = [f"prompt number {i} " * 5 for i in range(3000)]
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": prompts, "n": list(range(3000))}), path,
+                   row_group_size=1000, compression="snappy")
+    corrupt_row_group(path, 1)
+    inspection, _, _, rows = read_all(path)
+    assert inspection.num_rows == 3000 and [r.index for r in rows] == list(range(3000))
+    assert all(r.error is None and r.values["n"] == r.index for r in rows[:1000] + rows[2000:])
+    assert all(r.values == {} and "in.parquet: row group 1" in r.error for r in rows[1000:2000])
+    # the skips of a resumed job still count those rows
+    _, _, _, rows = read_all(path, done=[(0, 1500)], stop=2002)
+    assert [r.index for r in rows] == list(range(1500, 2002)) and rows[-1].error is None
