@@ -21,9 +21,10 @@ import pyarrow.parquet as pq
 
 from batchinfer.job.errors import JobError
 from batchinfer.job.rangeset import RangeSet
-from batchinfer.job.schema import ColumnTypes, encode_json_columns
+from batchinfer.job.schema import ColumnTypes, encode_json_columns, storable
 from batchinfer.job.shard import BLOCK_ROWS, Shard
-from batchinfer.job.text_rows import arrow_json_schema, csv_converters, parse_row, raw_rows
+from batchinfer.job.text_rows import (TOO_DEEP, arrow_json_schema, csv_converters, parse_row,
+                                      raw_rows)
 
 BATCH_ROWS = 1024
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".ndjson": "json",
@@ -47,14 +48,15 @@ class Inspection:
 
     def schema(self, restrict: dict[str, str]) -> tuple[pa.Schema, set[str]]:
         if self.arrow_schema is not None:
-            # a dictionary-encoded prompt column (a pandas Categorical) is read decoded
-            schema = self.arrow_schema
-            for name in restrict:
-                i = schema.get_field_index(name)
-                field_ = schema.field(i) if i >= 0 else None
-                if field_ is not None and pa.types.is_dictionary(field_.type):
+            schema, json_columns = self.arrow_schema, set()
+            for i, field_ in enumerate(self.arrow_schema):
+                if not storable(field_.type):  # nested deeper than Parquet readers go
+                    schema = schema.set(i, field_.with_type(pa.string()))
+                    json_columns.add(field_.name)
+                elif field_.name in restrict and pa.types.is_dictionary(field_.type):
+                    # a dictionary-encoded prompt column (a pandas Categorical) is read decoded
                     schema = schema.set(i, field_.with_type(field_.type.value_type))
-            return schema, set()
+            return schema, json_columns
         return self.types.schema(restrict)
 
 
@@ -121,7 +123,7 @@ class Source:
         """Rows not in `done` with index < `stop` (and owned by `shard`), in input order,
         in batches."""
         if self.format in ("parquet", "arrow"):
-            yield from self._columnar_batches(schema, done, stop, shard)
+            yield from self._columnar_batches(schema, json_columns, done, stop, shard)
             return
         converters = csv_converters(schema) if self.format == "csv" else None
         # a job whose schema names the first CSV column with the byte order mark in front
@@ -139,11 +141,14 @@ class Source:
             if index in done or (shard is not None and not shard.owns(index)):
                 continue
             values, error = self._parse(raw, converters)
+            if error is None and json_columns:
+                try:
+                    encode_json_columns(values, json_columns)
+                except RecursionError:
+                    error = TOO_DEEP
             if error is not None:
                 batch.append(InputRow(index, {}, f"{where[0]}{where[1]}: {error}"))
             else:
-                if json_columns:
-                    encode_json_columns(values, json_columns)
                 batch.append(InputRow(index, values))
             if len(batch) >= BATCH_ROWS:
                 yield batch
@@ -162,8 +167,8 @@ class Source:
         return parse_row(self.format, raw, converters)
 
     # ---- columnar formats ------------------------------------------------------------
-    def _columnar_batches(self, schema: pa.Schema, done: RangeSet, stop: int | None,
-                          shard: Shard | None) -> Iterator[list[InputRow]]:
+    def _columnar_batches(self, schema: pa.Schema, json_columns: set[str], done: RangeSet,
+                          stop: int | None, shard: Shard | None) -> Iterator[list[InputRow]]:
         start = 0
         for batch in self._arrow_batches():
             if isinstance(batch, pa.RecordBatch):
@@ -184,7 +189,7 @@ class Source:
                 if isinstance(batch, _Unreadable):
                     rows = [InputRow(i, {}, batch.reason) for i in range(a, b)]
                 else:
-                    rows = _columnar_rows(batch.slice(a - first, b - a), a, schema)
+                    rows = _columnar_rows(batch.slice(a - first, b - a), a, schema, json_columns)
                 out += [row for row in rows if row.index not in done]
             if out:
                 yield out
@@ -322,36 +327,52 @@ def _unify_schemas(schemas: list[pa.Schema], spec: str) -> pa.Schema:
 _VALUE_ERRORS = (pa.ArrowException, OverflowError, ValueError, NotImplementedError)
 
 
-def _columnar_rows(batch: pa.RecordBatch, first: int, schema: pa.Schema) -> list[InputRow]:
+def _columnar_rows(batch: pa.RecordBatch, first: int, schema: pa.Schema,
+                   json_columns: set[str]) -> list[InputRow]:
     """The batch's rows as InputRows numbered from `first`. A row holding a value that does
     not fit the job's column type (files of a directory whose types were unified) or that
     Python cannot hold (a timestamp past year 9999) is a failed row, not a failed job."""
     try:
-        return [InputRow(first + i, values)
-                for i, values in enumerate(_conform(batch, schema).to_pylist())]
+        return [InputRow(first + i, values) for i, values in
+                enumerate(_python_rows(_conform(batch, schema, json_columns), json_columns))]
     except _VALUE_ERRORS:
         pass
     rows = []
     for i in range(batch.num_rows):
         try:
-            rows.append(InputRow(first + i, _conform(batch.slice(i, 1), schema).to_pylist()[0]))
+            values = _python_rows(_conform(batch.slice(i, 1), schema, json_columns),
+                                  json_columns)[0]
+            rows.append(InputRow(first + i, values))
         except _VALUE_ERRORS as e:
-            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             rows.append(InputRow(first + i, {}, f"a value cannot be read as its column's "
-                                                f"type: {reason}"))
+                                                f"type: {_first_line(e)}"))
     return rows
 
 
-def _conform(batch: pa.RecordBatch, schema: pa.Schema) -> pa.Table:
-    """The batch with exactly `schema`'s columns and types (missing columns as nulls)."""
+def _python_rows(table: pa.Table, json_columns: set[str]) -> list[dict[str, Any]]:
+    rows = table.to_pylist()
+    if json_columns:
+        for values in rows:
+            encode_json_columns(values, json_columns)
+    return rows
+
+
+def _conform(batch: pa.RecordBatch, schema: pa.Schema, json_columns: set[str]) -> pa.Table:
+    """The batch with exactly `schema`'s columns and types (missing columns as nulls); a
+    JSON-text column keeps the type it has, to be written as JSON text from Python."""
     if batch.schema.equals(schema):
         return pa.Table.from_batches([batch])
-    columns = []
+    columns, fields = [], []
     for f in schema:
         i = batch.schema.get_field_index(f.name)
         column = batch.column(i) if i >= 0 else pa.nulls(batch.num_rows, f.type)
-        columns.append(column if column.type == f.type else column.cast(f.type))
-    return pa.Table.from_arrays(columns, schema=schema)
+        if f.name in json_columns:
+            f = f.with_type(column.type)
+        elif column.type != f.type:
+            column = column.cast(f.type)
+        columns.append(column)
+        fields.append(f)
+    return pa.Table.from_arrays(columns, schema=pa.schema(fields, metadata=schema.metadata))
 
 
 def _load_from_disk(path: Path, split: str | None, spec: str):

@@ -32,7 +32,7 @@ from batchinfer.job.prompts import (PromptBuilder, PromptSpec, WorkItem, check_k
                                     check_types, detect)
 from batchinfer.job.rangeset import RangeSet
 from batchinfer.job.reader import Source, open_input
-from batchinfer.job.schema import schema_from_json, schema_to_json
+from batchinfer.job.schema import schema_from_json, schema_to_json, storable
 from batchinfer.job.shard import check_layout
 from batchinfer.job.signals import StopSignals
 from batchinfer.job.summary import compute_summary, print_table, write_summary
@@ -109,6 +109,10 @@ def _plan(options: JobOptions, source: Source, outdir: OutputDir) -> _Plan:
     if manifest is not None:
         plan = _Plan(PromptSpec(**manifest.prompt), schema_from_json(manifest.input_schema),
                      set(manifest.json_columns), manifest, fresh=False)
+        if not all(storable(f.type) for f in plan.input_schema):
+            raise JobError(f"--output {outdir.path} holds parts with a column nested deeper "
+                           "than Parquet readers read back (written before such columns "
+                           "became JSON text); pass --overwrite to start over")
     else:
         if options.split is not None and source.format != "arrow":
             # only a new job is refused: an existing one recorded with --split continues

@@ -19,6 +19,11 @@ import pyarrow as pa
 
 _FIXED = {"str": pa.string(), "bool": pa.bool_(), "float": pa.float64()}
 _FAILED = None  # the values of this kind have no single Arrow type
+# Parquet readers refuse a schema more than 100 levels deep (pyarrow 26: "Parquet schema too
+# deeply nested"), where a list or a map takes two levels and a struct one: 49 nested lists
+# are the most pyarrow reads back, and Arrow IPC (the manifest's schemas) reads 62 nested
+# maps. Deeper values are kept as JSON text.
+MAX_NESTING = 32
 
 
 def kind_of(value: Any) -> str:
@@ -44,9 +49,22 @@ def contains_type(type_: pa.DataType, predicate: Callable[[pa.DataType], bool]) 
                                    for i in range(type_.num_fields))
 
 
+def nesting(type_: pa.DataType) -> int:
+    """How many nested types (lists, structs, maps) deep the type goes, found without
+    recursion (a type read from a JSON value can be hundreds of levels deep)."""
+    deepest, stack = 0, [(type_, 0)]
+    while stack:
+        type_, depth = stack.pop()
+        deepest = max(deepest, depth)
+        stack += [(type_.field(i).type, depth + 1) for i in range(type_.num_fields)]
+    return deepest
+
+
 def storable(type_: pa.DataType) -> bool:
-    """Whether Parquet can hold the type: no struct without fields (JSON's {}) at any depth."""
-    return not contains_type(type_, lambda t: pa.types.is_struct(t) and t.num_fields == 0)
+    """Whether Parquet readers can read the type back: nested at most MAX_NESTING deep, and
+    no struct without fields (JSON's {}) at any depth."""
+    return nesting(type_) <= MAX_NESTING and not contains_type(
+        type_, lambda t: pa.types.is_struct(t) and t.num_fields == 0)
 
 
 def _infer(kind: str, values: list[Any]) -> pa.DataType | None:

@@ -18,6 +18,7 @@ _INT = re.compile(r"[+-]?\d+")
 _FLOAT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|[+-]?(inf|nan)", re.IGNORECASE)
 _SURROGATE = re.compile("[\udc80-\udcff]")
 _MAX_QUOTED = 80
+TOO_DEEP = "JSON nested too deeply to parse"
 
 Where = tuple[str, int]  # ("name.jsonl:", line) or ("name.json: element ", n)
 
@@ -45,10 +46,10 @@ def arrow_json_schema(files: list[Path]) -> tuple[pa.Schema, int] | None:
     """The schema and row count of JSON lines files as Arrow's JSON reader (C++, ~20x
     faster than a Python scan) sees them, for the common case of clean JSON lines with one
     type per column. None when anything is unusual (a bad line, a column whose type
-    changes, a JSON array, text Arrow would read as a timestamp): the Python scan then
-    handles it row by row."""
+    changes, a JSON array, text Arrow would read as a timestamp, a line too deeply nested):
+    the Python scan then handles it row by row."""
     import pyarrow.json as pj
-    if any(_is_json_array(p) for p in files):
+    if any(_is_json_array(p) or not _shallow_lines(p) for p in files):
         return None
     schemas, rows = [], 0
     try:
@@ -60,7 +61,7 @@ def arrow_json_schema(files: list[Path]) -> tuple[pa.Schema, int] | None:
         schema = pa.unify_schemas(schemas)
     except (pa.ArrowException, OSError):
         return None
-    if rows == 0 or any(contains_type(f.type, pa.types.is_temporal) or not storable(f.type)
+    if rows == 0 or any(not storable(f.type) or contains_type(f.type, pa.types.is_temporal)
                         for f in schema):
         return None
     # Arrow reads an integer beyond int64 as a float64 (and the rows then fail to convert):
@@ -69,6 +70,19 @@ def arrow_json_schema(files: list[Path]) -> tuple[pa.Schema, int] | None:
             _has_big_integer(p) for p in files):
         return None
     return schema, rows
+
+
+# Arrow's JSON reader recurses once per level of nesting and overflows its stack (a crash,
+# not an error) somewhere past 5,000 levels; a line with more brackets than this is read by
+# the Python scan, whose parser stops at Python's recursion limit.
+_ARROW_JSON_BRACKETS = 1000
+
+
+def _shallow_lines(path: Path) -> bool:
+    """Whether no line of the file holds more than _ARROW_JSON_BRACKETS opening brackets
+    (at least its depth of nesting)."""
+    with open(path, "rb") as f:
+        return all(line.count(b"[") + line.count(b"{") <= _ARROW_JSON_BRACKETS for line in f)
 
 
 def _has_big_integer(path: Path, chunk: int = 1 << 24) -> bool:
@@ -116,8 +130,9 @@ def _is_json_array(path: Path) -> bool:
 def _json_array_rows(path: Path) -> Iterator[tuple[Where, Any]]:
     """Elements of a top-level JSON array, parsed one at a time from a growing buffer.
 
-    A syntax error ends the file (there is no way to find the next element): it comes out
-    as one failed row naming the position."""
+    An element nested deeper than the parser goes is skipped unparsed and comes out as a
+    failed row. A syntax error ends the file (there is no way to find the next element):
+    it comes out as one failed row naming the position."""
     decoder = json.JSONDecoder()
     ws = re.compile(r"[ \t\n\r]*")
     prefix = f"{path.name}: element "
@@ -142,6 +157,45 @@ def _json_array_rows(path: Path) -> Iterator[tuple[Where, Any]]:
                 if pos < len(buf) or not fill():
                     return buf[pos:pos + 1]
 
+        def skip_value() -> bool:
+            """Move past the value at `pos` without parsing it (nor holding it whole);
+            False when the file ends first."""
+            nonlocal pos
+            depth, in_string = 0, False
+            while True:
+                if pos == len(buf) and not fill():
+                    return False
+                if in_string:
+                    pos = _STRING_PART.match(buf, pos).end()
+                    if pos == len(buf):
+                        continue
+                    if buf[pos] == "\\":
+                        if pos + 1 == len(buf) and not fill():
+                            return False
+                        pos += 2
+                        continue
+                    pos += 1
+                    in_string = False
+                    if depth == 0:
+                        return True
+                    continue
+                pos = _OUTSIDE_STRING.match(buf, pos).end()
+                if pos == len(buf):
+                    continue
+                char = buf[pos]
+                if char == '"':
+                    in_string = True
+                elif char in "[{":
+                    depth += 1
+                elif depth == 0:  # the "," or "]" after a number, true, false or null
+                    return True
+                elif char in "]}":
+                    depth -= 1
+                    if depth == 0:
+                        pos += 1
+                        return True
+                pos += 1
+
         def failure(why: str) -> tuple[str, Exception]:
             return (prefix, element), ValueError(
                 f"invalid JSON at character {offset + pos} ({why}); the rest of the file "
@@ -164,22 +218,33 @@ def _json_array_rows(path: Path) -> Iterator[tuple[Where, Any]]:
                         continue
                     yield failure(e.msg)
                     return
+                except RecursionError:
+                    value, end = ValueError(TOO_DEEP), None
+                    break
                 if end == len(buf) and not eof and fill():
                     continue  # a number may continue in the next chunk
                 break
-            raw_text = buf[pos:end]
-            pos = end
             element += 1
-            if _SURROGATE.search(raw_text):
-                yield (prefix, element - 1), UnicodeError("invalid UTF-8")
+            if end is None:
+                if not skip_value():
+                    yield (prefix, element - 1), value
+                    return
             else:
-                yield (prefix, element - 1), value
+                raw_text = buf[pos:end]
+                pos = end
+                if _SURROGATE.search(raw_text):
+                    value = UnicodeError("invalid UTF-8")
+            yield (prefix, element - 1), value
             char = skip_ws()
             if char == ",":
                 pos += 1
             elif char != "]":
                 yield failure("expected ',' or ']' after an element")
                 return
+
+
+_STRING_PART = re.compile(r'[^"\\]*')
+_OUTSIDE_STRING = re.compile(r'[^"\[\]{},]*')
 
 
 def _parse_json(raw: Any) -> tuple[dict[str, Any] | None, str | None]:
@@ -194,6 +259,8 @@ def _parse_json(raw: Any) -> tuple[dict[str, Any] | None, str | None]:
             raw = json.loads(text)
         except json.JSONDecodeError as e:
             return None, f"invalid JSON ({e.msg} at column {e.colno}): {_quote(text)}"
+        except RecursionError:
+            return None, TOO_DEEP
     if not isinstance(raw, dict):
         return None, f"expected a JSON object, got {_json_type(raw)}"
     return raw, None

@@ -7,6 +7,14 @@ ENGINE_KWARGS = {"dtype": "float32", "num_kv_blocks": 256, "max_num_seqs": 8}
 ENGINE_FLAGS = ["--dtype", "float32", "--num-kv-blocks", "256", "--max-num-seqs", "8"]
 
 
+def nested_list(depth: int, leaf=1):
+    """`leaf` inside `depth` lists."""
+    value = leaf
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
 def corrupt_row_group(path, row_group: int) -> None:
     """Scramble 64 bytes in the middle of a row group's first column chunk (compressed, so
     reading it fails)."""

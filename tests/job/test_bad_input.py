@@ -3,6 +3,9 @@ line, before any model is loaded."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.dataset as ds
@@ -12,7 +15,7 @@ from click.testing import CliRunner
 
 from batchinfer import SamplingParams
 from fake_engine import FakeEngine
-from jobtools import corrupt_row_group
+from jobtools import corrupt_row_group, nested_list
 
 GOOD = ["The river runs", "Once upon a time", "A short note on"]
 
@@ -234,6 +237,72 @@ def read_output(outdir) -> dict:
     return {r["id"]: r for r in ds.dataset(outdir).to_table().to_pylist()}
 
 
+# A job in a process of its own: a crash (a C stack overflow) fails the test, not the run,
+# and peak memory is the job's.
+JOB_SCRIPT = """
+import io, json, resource, sys, time
+from fake_engine import FakeEngine
+import batchinfer.config  # (torch: imported by the option checks, before any row is read)
+from batchinfer.job.options import JobOptions
+from batchinfer.job.runner import run_job
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+start = time.monotonic()
+options = JobOptions(input=sys.argv[1], model="stand-in", output=sys.argv[2], max_tokens=2,
+                     progress=False)
+result = run_job(options, engine_factory=FakeEngine.factory, out=io.StringIO(),
+                 err=io.StringIO())
+print(json.dumps({"exit_code": result.exit_code, "seconds": time.monotonic() - start,
+                  "growth_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base}))
+"""
+
+
+def run_job_process(source: Path, out: Path, timeout: float = 120) -> dict:
+    proc = subprocess.run([sys.executable, "-c", JOB_SCRIPT, str(source), str(out)],
+                          capture_output=True, text=True, timeout=timeout,
+                          cwd=Path(__file__).parent)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def openai_line(custom_id: str, text: str, **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "x", "messages": [{"role": "user", "content": text}], **body}}
+
+
+def test_values_nested_too_deep_for_parquet_are_json_text_and_the_output_reads(tmp_path,
+                                                                                fake_cli):
+    # 50 nested lists: pyarrow writes such a column, but no Parquet reader opens the file;
+    # one in a column the job reads (body.metadata of an OpenAI Batch line), one in another
+    lines = [openai_line("a", "Hello", metadata={"deep": nested_list(50)}),
+             openai_line("b", "Hi"), openai_line("c", "Hey")]
+    lines[1]["extra"] = nested_list(60)
+    (tmp_path / "batch.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    result = fake_cli(tmp_path / "batch.jsonl", "-o", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    rows = read_output(tmp_path / "out")
+    assert sorted(rows) == ["a", "b", "c"]
+    import pandas as pd
+    assert len(pd.read_parquet(tmp_path / "out")) == 3
+    assert all(r["error"] is None and r["completion"] for r in rows.values())
+    assert json.loads(rows["a"]["body"])["metadata"]["deep"] == nested_list(50)
+    assert json.loads(rows["b"]["extra"]) == nested_list(60)
+    # a run again finds the job done
+    assert fake_cli(tmp_path / "batch.jsonl", "-o", tmp_path / "out").exit_code == 0
+
+
+def test_json_nested_beyond_the_parser_fails_its_row_without_crashing(tmp_path):
+    # Arrow's JSON reader overflows its stack on ~10,000 levels (the process dies);
+    # Python's parser raises RecursionError
+    deep = '{"prompt": "deep", "x": ' + "[" * 20_000 + "]" * 20_000 + "}"
+    (tmp_path / "in.jsonl").write_text(f'{{"prompt": "a"}}\n{deep}\n{{"prompt": "b"}}\n')
+    report = run_job_process(tmp_path / "in.jsonl", tmp_path / "out")
+    assert report["exit_code"] == 0 and report["seconds"] < 30
+    rows = read_output(tmp_path / "out")
+    assert rows[1]["finish_reason"] == "error" and "in.jsonl:2" in rows[1]["error"]
+    assert "nested too deeply" in rows[1]["error"]
+    assert [rows[i]["completion"] is not None for i in (0, 2)] == [True, True]
+
+
 @pytest.mark.parametrize("body", [b"", b"truncated"])
 def test_an_unreadable_parquet_file_exits_2_naming_it(tmp_path, fake_cli, no_model_load, body):
     if body:
@@ -258,3 +327,18 @@ def test_a_corrupt_parquet_page_fails_its_row_group_and_the_job_finishes(tmp_pat
     assert "row group 1 cannot be read" in rows[1500]["error"]
     again = fake_cli(path, "-o", tmp_path / "out")
     assert again.exit_code == 0 and "already done" in again.stderr
+
+
+def test_an_outdir_holding_a_column_too_deep_to_read_back_is_refused(tmp_path, fake_cli):
+    # such an OUTDIR was written before these columns became JSON text: continuing it
+    # would add parts no reader opens
+    from batchinfer.job.schema import schema_to_json
+    (tmp_path / "in.jsonl").write_text('{"prompt": "a", "x": 1}\n{"prompt": "b", "x": 2}\n')
+    out = tmp_path / "out"
+    assert fake_cli(tmp_path / "in.jsonl", "-o", out, "--limit", "1").exit_code == 0
+    manifest_path = out / "__batchinfer__" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    deep = pa.schema([("prompt", pa.string()), ("x", pa.array([nested_list(50)]).type)])
+    manifest["input_schema"] = schema_to_json(deep)
+    manifest_path.write_text(json.dumps(manifest))
+    assert_fatal(fake_cli(tmp_path / "in.jsonl", "-o", out), "nested deeper", "--overwrite")

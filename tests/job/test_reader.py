@@ -11,7 +11,7 @@ from batchinfer.job.errors import JobError
 from batchinfer.job.rangeset import RangeSet
 from batchinfer.job.reader import open_input
 from batchinfer.job.schema import ColumnTypes
-from jobtools import corrupt_row_group
+from jobtools import corrupt_row_group, nested_list
 
 
 def read_all(spec, restrict=None, done=(), stop=None):
@@ -219,3 +219,50 @@ def test_a_corrupt_row_group_fails_its_rows_only(tmp_path):
     # the skips of a resumed job still count those rows
     _, _, _, rows = read_all(path, done=[(0, 1500)], stop=2002)
     assert [r.index for r in rows] == list(range(1500, 2002)) and rows[-1].error is None
+
+
+@pytest.mark.parametrize("kind", ["clean.jsonl", "mixed.jsonl", "array.json"])
+def test_values_nested_deeper_than_parquet_reads_are_json_text(tmp_path, kind):
+    # 50 nested lists are 100 Parquet schema levels: pyarrow writes them but reads no file
+    # holding them back. Arrow's JSON reader reads clean lines, the Python scan the rest.
+    rows = [{"prompt": "deep", "x": nested_list(50), "ok": [[1]]},
+            {"prompt": "flat", "x": None, "ok": [[2]]}]
+    if kind == "mixed.jsonl":
+        rows.append({"prompt": "mixed", "ok": [[3]], "extra": 1})
+        rows.append({"prompt": "mixed", "ok": [[4]], "extra": "one"})
+    path = tmp_path / kind
+    if kind.endswith(".json"):
+        path.write_text(json.dumps(rows))
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _, schema, json_columns, got = read_all(path)
+    assert "x" in json_columns and schema.field("x").type == pa.string()
+    assert schema.field("ok").type == pa.list_(pa.list_(pa.int64()))
+    assert json.loads(got[0].values["x"]) == nested_list(50) and got[1].values["x"] is None
+    assert all(r.error is None for r in got)
+    buffer = pa.BufferOutputStream()
+    pq.write_table(pa.Table.from_pylist([r.values for r in got], schema=schema), buffer)
+    assert pq.read_table(pa.BufferReader(buffer.getvalue())).num_rows == len(rows)
+
+
+def test_parquet_columns_nested_too_deep_are_json_text_or_refused(tmp_path):
+    deep = pa.array([nested_list(40), None])
+    pq.write_table(pa.table({"prompt": ["a", "b"], "x": deep}), tmp_path / "deep.parquet")
+    _, schema, json_columns, rows = read_all(tmp_path / "deep.parquet")
+    assert json_columns == {"x"} and schema.field("x").type == pa.string()
+    assert json.loads(rows[0].values["x"]) == nested_list(40) and rows[1].values["x"] is None
+    # 50 nested lists: written by pyarrow, but no Parquet reader opens the file
+    pq.write_table(pa.table({"x": pa.array([nested_list(50)])}), tmp_path / "deeper.parquet")
+    with pytest.raises(JobError, match="deeper.parquet.*too deeply nested"):
+        open_input(str(tmp_path / "deeper.parquet")).inspect()
+
+
+def test_a_json_array_element_nested_beyond_the_parser_fails_alone(tmp_path):
+    # json.loads gives up (RecursionError) around 1000 levels: the element fails, and the
+    # elements after it are read (JSON lines: test_bad_input, in a process of its own)
+    deep = '{"prompt": "deep", "x": ' + "[" * 20_000 + "]" * 20_000 + "}"
+    (tmp_path / "in.json").write_text(f'[{{"prompt": "a"}}, {deep}, {{"prompt": "b"}}]')
+    inspection, _, _, rows = read_all(tmp_path / "in.json")
+    assert inspection.num_rows == 3
+    assert [r.values.get("prompt") for r in rows] == ["a", None, "b"]
+    assert "nested too deeply" in rows[1].error and rows[0].error is rows[2].error is None
