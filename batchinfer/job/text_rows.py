@@ -133,7 +133,6 @@ def _json_array_rows(path: Path) -> Iterator[tuple[Where, Any]]:
     An element nested deeper than the parser goes is skipped unparsed and comes out as a
     failed row. A syntax error ends the file (there is no way to find the next element):
     it comes out as one failed row naming the position."""
-    decoder = json.JSONDecoder()
     ws = re.compile(r"[ \t\n\r]*")
     prefix = f"{path.name}: element "
     # utf-8-sig: a byte order mark (as editors and Excel write) is skipped
@@ -212,7 +211,7 @@ def _json_array_rows(path: Path) -> Iterator[tuple[Where, Any]]:
                 return
             while True:
                 try:
-                    value, end = decoder.raw_decode(buf, pos)
+                    value, end = _raw_decode(buf, pos)
                 except json.JSONDecodeError as e:
                     if not eof and fill():
                         continue
@@ -247,6 +246,37 @@ _STRING_PART = re.compile(r'[^"\\]*')
 _OUTSIDE_STRING = re.compile(r'[^"\[\]{},]*')
 
 
+def _int_or_digits(text: str) -> int | str:
+    """A JSON integer; its digits as text when there are more than int() converts (Python
+    refuses over 4300 digits)."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+_DECODER = json.JSONDecoder()
+_LONG_INTEGER_DECODER = json.JSONDecoder(parse_int=_int_or_digits)
+
+
+def _loads(text: str) -> Any:
+    try:
+        return _DECODER.decode(text)
+    except json.JSONDecodeError:
+        raise
+    except ValueError:  # an integer longer than int() converts: parsed again, slower
+        return _LONG_INTEGER_DECODER.decode(text)
+
+
+def _raw_decode(text: str, pos: int) -> tuple[Any, int]:
+    try:
+        return _DECODER.raw_decode(text, pos)
+    except json.JSONDecodeError:
+        raise
+    except ValueError:
+        return _LONG_INTEGER_DECODER.raw_decode(text, pos)
+
+
 def _parse_json(raw: Any) -> tuple[dict[str, Any] | None, str | None]:
     if isinstance(raw, Exception):
         return None, str(raw)
@@ -256,7 +286,7 @@ def _parse_json(raw: Any) -> tuple[dict[str, Any] | None, str | None]:
         except UnicodeDecodeError as e:
             return None, f"invalid UTF-8 at byte {e.start}"
         try:
-            raw = json.loads(text)
+            raw = _loads(text)
         except json.JSONDecodeError as e:
             return None, f"invalid JSON ({e.msg} at column {e.colno}): {_quote(text)}"
         except RecursionError:
@@ -298,7 +328,9 @@ def _csv_value(text: str) -> Any:
     if text == "":
         return None
     if _INT.fullmatch(text):
-        return int(text)
+        # more digits than int64 holds: the column is text anyway (and int() refuses more
+        # than 4300 digits)
+        return int(text) if len(text) <= 20 else text
     if _FLOAT.fullmatch(text):
         return float(text)
     return text

@@ -266,3 +266,21 @@ def test_a_json_array_element_nested_beyond_the_parser_fails_alone(tmp_path):
     assert inspection.num_rows == 3
     assert [r.values.get("prompt") for r in rows] == ["a", None, "b"]
     assert "nested too deeply" in rows[1].error and rows[0].error is rows[2].error is None
+
+
+def test_integers_longer_than_python_converts_are_text(tmp_path):
+    # Python refuses int() of more than 4300 digits; such a number is read as its digits
+    digits = "7" * 5000
+    (tmp_path / "in.jsonl").write_text(f'{{"prompt": "a", "n": {digits}, "m": [{digits}]}}\n'
+                                       '{"prompt": "b", "n": 1, "m": [1]}\n')
+    _, _, json_columns, rows = read_all(tmp_path / "in.jsonl")
+    assert {"n", "m"} <= json_columns
+    assert [r.values["n"] for r in rows] == [digits, "1"]
+    assert json.loads(rows[0].values["m"]) == [digits]
+    (tmp_path / "in.json").write_text(f'[{{"prompt": "a", "n": {digits}}}, {{"prompt": "b"}}]')
+    _, _, _, rows = read_all(tmp_path / "in.json")
+    assert [r.values.get("n") for r in rows] == [digits, None]
+    (tmp_path / "in.csv").write_text(f"prompt,n,k\na,{digits},1\nb,2,{digits}\nc,3,4\n")
+    _, _, _, rows = read_all(tmp_path / "in.csv")
+    assert [(r.values["n"], r.values["k"]) for r in rows] == \
+        [(digits, "1"), ("2", digits), ("3", "4")]
