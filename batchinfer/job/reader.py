@@ -24,7 +24,7 @@ from batchinfer.job.rangeset import RangeSet
 from batchinfer.job.schema import ColumnTypes, encode_json_columns, storable
 from batchinfer.job.shard import BLOCK_ROWS, Shard
 from batchinfer.job.text_rows import (TOO_DEEP, arrow_json_schema, csv_converters, parse_row,
-                                      raw_rows)
+                                      raw_rows, shown_name)
 
 BATCH_ROWS = 1024
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".ndjson": "json",
@@ -220,14 +220,15 @@ def _parquet_file(path: Path) -> Iterator[pq.ParquetFile]:
     """The file opened, its footer read; JobError naming it when it is not readable Parquet
     (empty, truncated, not Parquet, a schema nested deeper than Parquet readers go)."""
     try:
-        source = pa.OSFile(str(path))
+        # a file opened here, not a path: pyarrow takes no path whose name is not UTF-8
+        source = pa.OSFile(os.fsencode(path))
     except OSError as e:
-        raise JobError(f"INPUT {path}: cannot open it: {_first_line(e)}") from None
+        raise JobError(f"INPUT {shown_name(path)}: cannot open it: {_first_line(e)}") from None
     with source:
         try:
             parquet = pq.ParquetFile(source)
         except (pa.ArrowException, OSError) as e:
-            raise JobError(f"INPUT {path}: not a readable Parquet file: "
+            raise JobError(f"INPUT {shown_name(path)}: not a readable Parquet file: "
                            f"{_first_line(e)}") from None
         yield parquet
 
@@ -243,7 +244,7 @@ def _parquet_batches(path: Path) -> Iterator[pa.RecordBatch | _Unreadable]:
                     read += batch.num_rows
                     yield batch
             except (pa.ArrowException, OSError) as e:
-                yield _Unreadable(expected - read, f"{path.name}: row group {group} "
+                yield _Unreadable(expected - read, f"{shown_name(path.name)}: row group {group} "
                                                    f"cannot be read: {_first_line(e)}")
 
 
@@ -282,20 +283,21 @@ def sampled_digest(path: Path, whole_below: int = 1 << 20, piece: int = 1 << 16,
 
 def open_input(spec: str, split: str | None = None) -> Source:
     """Resolve INPUT (a file, a directory, or hf:NAME[:SPLIT]); no rows are read yet."""
+    path = Path(spec).expanduser()
+    spec = shown_name(spec)  # as messages name it
     if spec.startswith("hf:"):
         name, _, hf_split = spec[3:].partition(":")
         if not name:
             raise JobError(f"INPUT {spec!r}: write hf:NAME or hf:NAME:SPLIT")
         return Source(spec, "arrow", dataset_path=name, split=hf_split or split)
-    path = Path(spec).expanduser()
     if not path.exists():
         raise JobError(f"INPUT {spec}: no such file or directory")
     if path.is_dir():
         return _open_directory(spec, path, split)
     fmt = FORMATS.get(path.suffix.lower())
     if fmt is None:
-        raise JobError(f"INPUT {spec}: unknown file type {path.suffix or '(none)'}; use "
-                       ".parquet, .jsonl, .json or .csv (or a directory of them)")
+        raise JobError(f"INPUT {spec}: unknown file type {shown_name(path.suffix) or '(none)'}; "
+                       "use .parquet, .jsonl, .json or .csv (or a directory of them)")
     return Source(spec, fmt, [path], split=split)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -41,6 +42,12 @@ def parse_row(fmt: str, raw: Any, converters: dict[str, Callable] | None
     return _parse_json(raw)
 
 
+def shown_name(name: str | os.PathLike) -> str:
+    """A file name as text that can be printed and stored: bytes that are not UTF-8 (which
+    Python keeps as lone surrogates) become U+FFFD."""
+    return os.fsencode(name).decode("utf-8", "replace")
+
+
 # ---- JSON ----------------------------------------------------------------------------
 def arrow_json_schema(files: list[Path]) -> tuple[pa.Schema, int] | None:
     """The schema and row count of JSON lines files as Arrow's JSON reader (C++, ~20x
@@ -54,10 +61,11 @@ def arrow_json_schema(files: list[Path]) -> tuple[pa.Schema, int] | None:
     schemas, rows = [], 0
     try:
         for path in files:
-            reader = pj.open_json(path)
-            for batch in reader:
-                rows += batch.num_rows
-            schemas.append(reader.schema)
+            with pa.OSFile(os.fsencode(path)) as f:  # pyarrow takes no path that is not UTF-8
+                reader = pj.open_json(f)
+                for batch in reader:
+                    rows += batch.num_rows
+                schemas.append(reader.schema)
         schema = pa.unify_schemas(schemas)
     except (pa.ArrowException, OSError):
         return None
@@ -103,7 +111,7 @@ _BIG_INTEGER = re.compile(rb"(?<![\d.eE])-?\d{19,}(?![\d.eE])")
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[Where, bytes]]:
-    prefix = f"{path.name}:"
+    prefix = f"{shown_name(path.name)}:"
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
             if lineno == 1 and line.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark
@@ -134,7 +142,7 @@ def _json_array_rows(path: Path) -> Iterator[tuple[Where, Any]]:
     failed row. A syntax error ends the file (there is no way to find the next element):
     it comes out as one failed row naming the position."""
     ws = re.compile(r"[ \t\n\r]*")
-    prefix = f"{path.name}: element "
+    prefix = f"{shown_name(path.name)}: element "
     # utf-8-sig: a byte order mark (as editors and Excel write) is skipped
     with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:
         buf, pos, offset, eof, element = "", 0, 0, False, 0
@@ -311,14 +319,14 @@ def _csv_rows(path: Path) -> Iterator[tuple[Where, Any]]:
     # utf-8-sig: a byte order mark (Excel's "CSV UTF-8") is skipped
     with open(path, encoding="utf-8-sig", errors="surrogateescape", newline="") as f:
         reader = csv.reader(f)
-        prefix = f"{path.name}:"
+        prefix = f"{shown_name(path.name)}:"
         header = next(reader, None)
         if header is None:
             return
         if len(set(header)) != len(header):
-            raise JobError(f"{path}: the header repeats a column name: {header}")
+            raise JobError(f"{shown_name(path)}: the header repeats a column name: {header}")
         if any(_SURROGATE.search(h) for h in header):
-            raise JobError(f"{path}: the header is not valid UTF-8")
+            raise JobError(f"{shown_name(path)}: the header is not valid UTF-8")
         for record in reader:
             if record:
                 yield (prefix, reader.line_num), (header, record)

@@ -3,6 +3,7 @@ line, before any model is loaded."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -327,6 +328,20 @@ def test_a_corrupt_parquet_page_fails_its_row_group_and_the_job_finishes(tmp_pat
     assert "row group 1 cannot be read" in rows[1500]["error"]
     again = fake_cli(path, "-o", tmp_path / "out")
     assert again.exit_code == 0 and "already done" in again.stderr
+
+
+def test_input_names_that_are_not_utf8(tmp_path, fake_cli):
+    folder = os.fsencode(tmp_path / "in")
+    os.mkdir(folder)
+    with open(folder + b"/caf\xe9.jsonl", "wb") as f:
+        f.write(b'{"prompt": "a"}\n{"prompt": \n')
+    for source in (os.fsdecode(folder), os.fsdecode(folder + b"/caf\xe9.jsonl")):
+        out = tmp_path / f"out{len(source)}"
+        result = fake_cli(source, "-o", out)
+        assert result.exit_code == 0, result.output
+        rows = read_output(out)
+        assert rows[0]["error"] is None and rows[1]["error"].startswith("caf\ufffd.jsonl:2: ")
+        assert fake_cli(source, "-o", out).exit_code == 0  # resumed: the same input
 
 
 def test_an_outdir_holding_a_column_too_deep_to_read_back_is_refused(tmp_path, fake_cli):

@@ -284,3 +284,23 @@ def test_integers_longer_than_python_converts_are_text(tmp_path):
     _, _, _, rows = read_all(tmp_path / "in.csv")
     assert [(r.values["n"], r.values["k"]) for r in rows] == \
         [(digits, "1"), ("2", digits), ("3", "4")]
+
+
+def test_file_names_that_are_not_utf8(tmp_path):
+    import os
+    folder = os.fsencode(tmp_path / "d")
+    os.mkdir(folder)
+    for name in (b"caf\xe9.jsonl", b"z\xff.jsonl"):
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(b'{"prompt": "ok"}\n{"prompt": ')
+    source = open_input(os.fsdecode(folder))
+    json.dumps(source.identity())  # (a fingerprint)
+    inspection, _, _, rows = read_all(os.fsdecode(folder))
+    assert inspection.num_rows == 4 and [r.values.get("prompt") for r in rows[::2]] == ["ok"] * 2
+    assert rows[1].error.startswith("caf\ufffd.jsonl:2: ") and "z\ufffd.jsonl:2" in rows[3].error
+    rows[1].error.encode("utf-8")
+    name = os.fsencode(tmp_path) + b"/t\xe9.parquet"
+    with open(name, "wb") as f:
+        pq.write_table(pa.table({"prompt": ["p"]}), f)
+    _, _, _, rows = read_all(os.fsdecode(name))
+    assert rows[0].values == {"prompt": "p"}
