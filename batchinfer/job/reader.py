@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchinfer.job.errors import JobError
+from batchinfer.job.manifest import META_DIR
 from batchinfer.job.rangeset import RangeSet
 from batchinfer.job.schema import ColumnTypes, encode_json_columns, storable
 from batchinfer.job.shard import BLOCK_ROWS, Shard
@@ -281,8 +282,9 @@ def sampled_digest(path: Path, whole_below: int = 1 << 20, piece: int = 1 << 16,
     return digest.hexdigest()[:16]
 
 
-def open_input(spec: str, split: str | None = None) -> Source:
-    """Resolve INPUT (a file, a directory, or hf:NAME[:SPLIT]); no rows are read yet."""
+def open_input(spec: str, split: str | None = None, *, output: str | None = None) -> Source:
+    """Resolve INPUT (a file, a directory, or hf:NAME[:SPLIT]); no rows are read yet. A
+    directory's files leave out the job's `output` folder and any other job's output."""
     path = Path(spec).expanduser()
     spec = shown_name(spec)  # as messages name it
     if spec.startswith("hf:"):
@@ -293,7 +295,7 @@ def open_input(spec: str, split: str | None = None) -> Source:
     if not path.exists():
         raise JobError(f"INPUT {spec}: no such file or directory")
     if path.is_dir():
-        return _open_directory(spec, path, split)
+        return _open_directory(spec, path, split, output)
     fmt = FORMATS.get(path.suffix.lower())
     if fmt is None:
         raise JobError(f"INPUT {spec}: unknown file type {shown_name(path.suffix) or '(none)'}; "
@@ -301,13 +303,12 @@ def open_input(spec: str, split: str | None = None) -> Source:
     return Source(spec, fmt, [path], split=split)
 
 
-def _open_directory(spec: str, path: Path, split: str | None) -> Source:
+def _open_directory(spec: str, path: Path, split: str | None, output: str | None) -> Source:
+    files = _files_under(path, Path(output).expanduser().resolve() if output else None)
     if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
-        files = sorted(p for p in path.rglob("*") if p.is_file())
         return Source(spec, "arrow", files, dataset_path=str(path), split=split)
-    files = sorted(p for p in path.rglob("*") if p.is_file()
-                   and not any(part.startswith((".", "_")) for part in p.relative_to(path).parts)
-                   and p.suffix.lower() in FORMATS)
+    files = [p for p in files if p.suffix.lower() in FORMATS
+             and not any(part.startswith((".", "_")) for part in p.relative_to(path).parts)]
     if not files:
         raise JobError(f"INPUT {spec}: the directory holds no .parquet, .jsonl, .json or "
                        ".csv files")
@@ -316,6 +317,22 @@ def _open_directory(spec: str, path: Path, split: str | None) -> Source:
         raise JobError(f"INPUT {spec}: the directory mixes formats ({', '.join(sorted(formats))}); "
                        "give one directory per format")
     return Source(spec, formats.pop(), files, split=split)
+
+
+def _files_under(path: Path, output: Path | None) -> list[Path]:
+    """The files in `path` and its subfolders, sorted, without the folders of job output:
+    `output` (this job's) and any folder holding a batchinfer manifest, whose part files
+    would otherwise be read as input (and change it while the job runs)."""
+    files = []
+    for root, folders, names in os.walk(path):
+        folders[:] = [name for name in folders if not _is_job_output(Path(root, name), output)]
+        files += [Path(root, name) for name in names if Path(root, name).is_file()]
+    return sorted(files)
+
+
+def _is_job_output(folder: Path, output: Path | None) -> bool:
+    return ((folder / META_DIR / "manifest.json").is_file()
+            or (output is not None and folder.resolve() == output))
 
 
 def _unify_schemas(schemas: list[pa.Schema], spec: str) -> pa.Schema:

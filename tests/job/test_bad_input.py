@@ -344,6 +344,20 @@ def test_input_names_that_are_not_utf8(tmp_path, fake_cli):
         assert fake_cli(source, "-o", out).exit_code == 0  # resumed: the same input
 
 
+def test_an_outdir_inside_the_input_folder_is_not_input(tmp_path, fake_cli):
+    (tmp_path / "data").mkdir()
+    pq.write_table(pa.table({"prompt": ["a", "b", "c"]}), tmp_path / "data" / "in.parquet")
+    out = tmp_path / "data" / "out"
+    assert fake_cli(tmp_path / "data", "-o", out, "--limit", "2").exit_code == 0
+    again = fake_cli(tmp_path / "data", "-o", out)  # continues: same input, one more row
+    assert again.exit_code == 0, again.output
+    assert sorted(read_output(out)) == [0, 1, 2]
+    # another job's output in the folder is not input either
+    other = fake_cli(tmp_path / "data", "-o", tmp_path / "elsewhere")
+    assert other.exit_code == 0, other.output
+    assert sorted(read_output(tmp_path / "elsewhere")) == [0, 1, 2]
+
+
 def test_an_outdir_holding_a_column_too_deep_to_read_back_is_refused(tmp_path, fake_cli):
     # such an OUTDIR was written before these columns became JSON text: continuing it
     # would add parts no reader opens
