@@ -72,6 +72,9 @@ def _options(f):
           help="Which of --num-shards this run takes; it writes OUTDIR/shard-I-of-N."),
         O("--reorder-window", type=int,
           help="Rows read ahead and grouped by shared prefix (default 4096; 0 = input order)."),
+        O("--max-row-bytes", type=flags.Size(),
+          help="Longest JSONL line, JSON array element or CSV record read (default 16MiB); "
+               "a longer one is a failed row."),
         O("--commit-rows", type=int, help="Commit a part every N finished rows (default 10000)."),
         O("--commit-seconds", type=float, help="...or every T seconds (default 60)."),
         O("--output-format", type=click.Choice(OUTPUT_FORMATS),

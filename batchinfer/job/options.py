@@ -11,6 +11,7 @@ from batchinfer.flags import ENGINE_NAMES, SAMPLING_NAMES, engine_flags_in, engi
 from batchinfer.job.errors import JobError
 from batchinfer.job.manifest import META_DIR, digest_of_text
 from batchinfer.job.shard import Shard
+from batchinfer.job.text_rows import MAX_ROW_BYTES
 from batchinfer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -83,6 +84,7 @@ class JobOptions:
     shard_index: int | None = None
     data_parallel_size: int = 1
     reorder_window: int = 4096
+    max_row_bytes: int = MAX_ROW_BYTES
     commit_rows: int = 10000
     commit_seconds: float = 60.0
     output_format: str = "parquet"
@@ -115,6 +117,7 @@ class JobOptions:
                 raise JobError(f"missing {what}: give it on the command line or in the job file")
         checks = [
             ("reorder_window", self.reorder_window >= 0, "must be >= 0"),
+            ("max_row_bytes", self.max_row_bytes >= 1, "must be >= 1"),
             ("commit_rows", self.commit_rows >= 1, "must be >= 1"),
             ("commit_seconds", self.commit_seconds > 0, "must be > 0"),
             ("progress_interval", self.progress_interval > 0, "must be > 0"),
@@ -254,8 +257,9 @@ class JobOptions:
     def identity(self) -> dict[str, Any]:
         """What makes two runs the same job: everything that changes the rows written.
 
-        Engine sizing, progress, metrics, commit cadence and --limit are left out, so a job
-        can be resumed on another machine, with another batch size, or extended.
+        Engine sizing, progress, metrics, commit cadence, --limit and --max-row-bytes are
+        left out, so a job can be resumed on another machine, with another batch size, or
+        extended.
         """
         params = asdict(self.sampling_params())
         return {

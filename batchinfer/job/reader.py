@@ -3,8 +3,9 @@
 
 Rows are numbered 0, 1, ... across the whole input (all files of a directory in sorted
 order); that index is how a resumed job knows which rows are done. A row that cannot be
-parsed (bad JSON, invalid UTF-8, wrong field count) is still a row: it comes out with an
-error and no values, so the job writes it as a failed row instead of stopping.
+parsed (bad JSON, invalid UTF-8, wrong field count, longer than `max_row_bytes`, an
+unreadable Parquet row group) is still a row: it comes out with an error and no values, so
+the job writes it as a failed row instead of stopping.
 """
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ from batchinfer.job.manifest import META_DIR
 from batchinfer.job.rangeset import RangeSet
 from batchinfer.job.schema import ColumnTypes, encode_json_columns, storable
 from batchinfer.job.shard import BLOCK_ROWS, Shard
-from batchinfer.job.text_rows import (TOO_DEEP, arrow_json_schema, csv_converters, parse_row,
-                                      raw_rows, shown_name)
+from batchinfer.job.text_rows import (MAX_ROW_BYTES, TOO_DEEP, arrow_json_schema, csv_converters,
+                                      parse_row, raw_rows, shown_name)
 
 BATCH_ROWS = 1024
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".ndjson": "json",
@@ -69,6 +70,7 @@ class Source:
     files: list[Path] = field(default_factory=list)
     dataset_path: str | None = None   # arrow: a save_to_disk folder or a hub name
     split: str | None = None
+    max_row_bytes: int = MAX_ROW_BYTES
     _identity: dict[str, Any] | None = field(default=None, repr=False, compare=False)
     # columnar inputs: the first dictionary read of each dictionary-typed column, so the
     # writer keeps its order (an ordered pandas Categorical's)
@@ -101,7 +103,7 @@ class Source:
             schema = dataset.features.arrow_schema
             return Inspection(schema.names, dataset.num_rows, arrow_schema=schema)
         if self.format == "json":
-            fast = arrow_json_schema(self.files)
+            fast = arrow_json_schema(self.files, self.max_row_bytes)
             if fast is not None:
                 schema, rows = fast
                 return Inspection(schema.names, rows, arrow_schema=schema)
@@ -134,7 +136,7 @@ class Source:
         batch: list[InputRow] = []
         index = -1
         for where, raw in self._raw_rows():
-            if marked is not None and raw[0] and raw[0][0] == marked[1:]:
+            if marked is not None and isinstance(raw, tuple) and raw[0][0] == marked[1:]:
                 raw = ([marked, *raw[0][1:]], raw[1])
             index += 1
             if stop is not None and index >= stop:
@@ -159,9 +161,9 @@ class Source:
 
     # ---- row-oriented formats --------------------------------------------------------
     def _raw_rows(self) -> Iterator[tuple[tuple[str, int], Any]]:
-        """Each row unparsed, with where it is."""
+        """Each row unparsed (or why it cannot be read), with where it is."""
         for path in self.files:
-            yield from raw_rows(path, self.format)
+            yield from raw_rows(path, self.format, self.max_row_bytes)
 
     def _parse(self, raw: Any, converters: dict[str, Callable] | None
                ) -> tuple[dict[str, Any] | None, str | None]:
@@ -282,7 +284,8 @@ def sampled_digest(path: Path, whole_below: int = 1 << 20, piece: int = 1 << 16,
     return digest.hexdigest()[:16]
 
 
-def open_input(spec: str, split: str | None = None, *, output: str | None = None) -> Source:
+def open_input(spec: str, split: str | None = None, *, output: str | None = None,
+               max_row_bytes: int = MAX_ROW_BYTES) -> Source:
     """Resolve INPUT (a file, a directory, or hf:NAME[:SPLIT]); no rows are read yet. A
     directory's files leave out the job's `output` folder and any other job's output."""
     path = Path(spec).expanduser()
@@ -295,15 +298,16 @@ def open_input(spec: str, split: str | None = None, *, output: str | None = None
     if not path.exists():
         raise JobError(f"INPUT {spec}: no such file or directory")
     if path.is_dir():
-        return _open_directory(spec, path, split, output)
+        return _open_directory(spec, path, split, output, max_row_bytes)
     fmt = FORMATS.get(path.suffix.lower())
     if fmt is None:
         raise JobError(f"INPUT {spec}: unknown file type {shown_name(path.suffix) or '(none)'}; "
                        "use .parquet, .jsonl, .json or .csv (or a directory of them)")
-    return Source(spec, fmt, [path], split=split)
+    return Source(spec, fmt, [path], split=split, max_row_bytes=max_row_bytes)
 
 
-def _open_directory(spec: str, path: Path, split: str | None, output: str | None) -> Source:
+def _open_directory(spec: str, path: Path, split: str | None, output: str | None,
+                    max_row_bytes: int) -> Source:
     files = _files_under(path, Path(output).expanduser().resolve() if output else None)
     if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
         return Source(spec, "arrow", files, dataset_path=str(path), split=split)
@@ -316,7 +320,7 @@ def _open_directory(spec: str, path: Path, split: str | None, output: str | None
     if len(formats) > 1:
         raise JobError(f"INPUT {spec}: the directory mixes formats ({', '.join(sorted(formats))}); "
                        "give one directory per format")
-    return Source(spec, formats.pop(), files, split=split)
+    return Source(spec, formats.pop(), files, split=split, max_row_bytes=max_row_bytes)
 
 
 def _files_under(path: Path, output: Path | None) -> list[Path]:

@@ -147,7 +147,8 @@ def run_job(options: JobOptions, engine_factory: EngineFactory | None = None,
     if engine_factory is None:
         check_model(options.model, options.tokenizer)
         engine_factory = load_engine
-    source = open_input(options.input, options.split, output=options.output)
+    source = open_input(options.input, options.split, output=options.output,
+                        max_row_bytes=options.max_row_bytes)
     check_layout(options.output, options.shard(),
                  {"input": source.identity(), **options.identity()})
     outdir = OutputDir(options.output_dir())

@@ -1,8 +1,15 @@
 """The row-oriented text formats — JSON lines, a JSON array, CSV — as raw rows, each with
-where it is, and parsed into values."""
+where it is, and parsed into values.
+
+Every row is bounded: a JSONL line, a JSON array element or a CSV record longer than
+`max_row_bytes` is skipped without being held whole and comes out as an error (so are JSON
+nested deeper than Python's parser goes, a stray CSV quote), and reading goes on with the
+next row.
+"""
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 import re
@@ -15,6 +22,9 @@ import pyarrow as pa
 from batchinfer.job.errors import JobError
 from batchinfer.job.schema import contains_type, storable
 
+# The longest row read (a JSONL line, a JSON array element, a CSV record): a longer one is a
+# failed row, skipped without being held in memory whole (--max-row-bytes).
+MAX_ROW_BYTES = 16 * 2**20
 _INT = re.compile(r"[+-]?\d+")
 _FLOAT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|[+-]?(inf|nan)", re.IGNORECASE)
 _SURROGATE = re.compile("[\udc80-\udcff]")
@@ -24,14 +34,14 @@ TOO_DEEP = "JSON nested too deeply to parse"
 Where = tuple[str, int]  # ("name.jsonl:", line) or ("name.json: element ", n)
 
 
-def raw_rows(path: Path, fmt: str) -> Iterator[tuple[Where, Any]]:
-    """Each row of the file unparsed, with where it is (formatted only when a row turns out
-    bad)."""
+def raw_rows(path: Path, fmt: str, max_row_bytes: int) -> Iterator[tuple[Where, Any]]:
+    """Each row of the file unparsed, or the exception saying why it cannot be read, with
+    where it is (formatted only when a row turns out bad)."""
     if fmt == "csv":
-        return _csv_rows(path)
+        return _csv_rows(path, max_row_bytes)
     if _is_json_array(path):
-        return _json_array_rows(path)
-    return _jsonl_rows(path)
+        return _json_array_rows(path, max_row_bytes)
+    return _jsonl_rows(path, max_row_bytes)
 
 
 def parse_row(fmt: str, raw: Any, converters: dict[str, Callable] | None
@@ -49,14 +59,14 @@ def shown_name(name: str | os.PathLike) -> str:
 
 
 # ---- JSON ----------------------------------------------------------------------------
-def arrow_json_schema(files: list[Path]) -> tuple[pa.Schema, int] | None:
+def arrow_json_schema(files: list[Path], max_row_bytes: int) -> tuple[pa.Schema, int] | None:
     """The schema and row count of JSON lines files as Arrow's JSON reader (C++, ~20x
     faster than a Python scan) sees them, for the common case of clean JSON lines with one
     type per column. None when anything is unusual (a bad line, a column whose type
-    changes, a JSON array, text Arrow would read as a timestamp, a line too deeply nested):
-    the Python scan then handles it row by row."""
+    changes, a JSON array, text Arrow would read as a timestamp, a line too long or too
+    deeply nested): the Python scan then handles it row by row."""
     import pyarrow.json as pj
-    if any(_is_json_array(p) or not _shallow_lines(p) for p in files):
+    if any(_is_json_array(p) or not _plain_lines(p, max_row_bytes) for p in files):
         return None
     schemas, rows = [], 0
     try:
@@ -86,11 +96,30 @@ def arrow_json_schema(files: list[Path]) -> tuple[pa.Schema, int] | None:
 _ARROW_JSON_BRACKETS = 1000
 
 
-def _shallow_lines(path: Path) -> bool:
-    """Whether no line of the file holds more than _ARROW_JSON_BRACKETS opening brackets
-    (at least its depth of nesting)."""
+def _plain_lines(path: Path, max_row_bytes: int) -> bool:
+    """Whether no line of the file is longer than `max_row_bytes` or holds more than
+    _ARROW_JSON_BRACKETS opening brackets (at least its depth of nesting)."""
     with open(path, "rb") as f:
-        return all(line.count(b"[") + line.count(b"{") <= _ARROW_JSON_BRACKETS for line in f)
+        for line in _bounded_lines(f, max_row_bytes):
+            if line is None or line.count(b"[") + line.count(b"{") > _ARROW_JSON_BRACKETS:
+                return False
+    return True
+
+
+def _bounded_lines(f: io.BufferedIOBase, limit: int) -> Iterator[bytes | None]:
+    """The lines of a binary file; None for a line longer than `limit` bytes (its newline
+    not counted), which is skipped without being held whole."""
+    while line := f.readline(limit + 1):
+        if len(line) > limit and not line.endswith(b"\n"):
+            while (rest := f.readline(1 << 20)) and not rest.endswith(b"\n"):
+                pass
+            yield None
+        else:
+            yield line
+
+
+def _too_long(limit: int) -> ValueError:
+    return ValueError(f"longer than {limit} bytes; --max-row-bytes sets the limit")
 
 
 def _has_big_integer(path: Path, chunk: int = 1 << 24) -> bool:
@@ -110,10 +139,13 @@ def _has_big_integer(path: Path, chunk: int = 1 << 24) -> bool:
 _BIG_INTEGER = re.compile(rb"(?<![\d.eE])-?\d{19,}(?![\d.eE])")
 
 
-def _jsonl_rows(path: Path) -> Iterator[tuple[Where, bytes]]:
+def _jsonl_rows(path: Path, limit: int) -> Iterator[tuple[Where, bytes | Exception]]:
     prefix = f"{shown_name(path.name)}:"
     with open(path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
+        for lineno, line in enumerate(_bounded_lines(f, limit), 1):
+            if line is None:
+                yield (prefix, lineno), _too_long(limit)
+                continue
             if lineno == 1 and line.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark
                 line = line[3:]
             if line.strip():
@@ -135,12 +167,13 @@ def _is_json_array(path: Path) -> bool:
     return False
 
 
-def _json_array_rows(path: Path) -> Iterator[tuple[Where, Any]]:
+def _json_array_rows(path: Path, limit: int) -> Iterator[tuple[Where, Any]]:
     """Elements of a top-level JSON array, parsed one at a time from a growing buffer.
 
-    An element nested deeper than the parser goes is skipped unparsed and comes out as a
-    failed row. A syntax error ends the file (there is no way to find the next element):
-    it comes out as one failed row naming the position."""
+    An element longer than `limit` (counted in characters) or nested deeper than the parser
+    goes is skipped unparsed and comes out as a failed row. A syntax error ends the file
+    (there is no way to find the next element): it comes out as one failed row naming the
+    position."""
     ws = re.compile(r"[ \t\n\r]*")
     prefix = f"{shown_name(path.name)}: element "
     # utf-8-sig: a byte order mark (as editors and Excel write) is skipped
@@ -221,6 +254,14 @@ def _json_array_rows(path: Path) -> Iterator[tuple[Where, Any]]:
                 try:
                     value, end = _raw_decode(buf, pos)
                 except json.JSONDecodeError as e:
+                    # an error short of the buffer's end is one more text cannot mend (an
+                    # unclosed string's is reported where the string starts)
+                    if e.pos < len(buf) - 16 and not e.msg.startswith("Unterminated string"):
+                        yield failure(e.msg)
+                        return
+                    if len(buf) - pos > limit:
+                        value, end = _too_long(limit), None
+                        break
                     if not eof and fill():
                         continue
                     yield failure(e.msg)
@@ -239,7 +280,9 @@ def _json_array_rows(path: Path) -> Iterator[tuple[Where, Any]]:
             else:
                 raw_text = buf[pos:end]
                 pos = end
-                if _SURROGATE.search(raw_text):
+                if len(raw_text) > limit:
+                    value = _too_long(limit)
+                elif _SURROGATE.search(raw_text):
                     value = UnicodeError("invalid UTF-8")
             yield (prefix, element - 1), value
             char = skip_ws()
@@ -315,21 +358,125 @@ def _quote(text: str) -> str:
 
 
 # ---- CSV -----------------------------------------------------------------------------
-def _csv_rows(path: Path) -> Iterator[tuple[Where, Any]]:
-    # utf-8-sig: a byte order mark (Excel's "CSV UTF-8") is skipped
-    with open(path, encoding="utf-8-sig", errors="surrogateescape", newline="") as f:
-        reader = csv.reader(f)
-        prefix = f"{shown_name(path.name)}:"
-        header = next(reader, None)
+class _RowTooLong(Exception):
+    pass
+
+
+class _CsvLines:
+    """The lines of a CSV file, as csv.reader reads them, each at most `limit` bytes: a
+    longer one is skipped (not held whole) and raises _RowTooLong. It counts lines and
+    remembers where the second line of the record being read starts, so that reading can
+    go back there after a record that turns out bad (`resume`)."""
+
+    def __init__(self, path: Path, limit: int):
+        self.file = open(path, "rb")
+        self.text = self._text()
+        self.limit = limit
+        self.line = 0              # lines read
+        self.offset = 0            # bytes read
+        self.exhausted = False     # the end of the file was reached
+        self.second_line: tuple[int, int] | None = None  # (line, offset) to resume from
+
+    def _text(self) -> io.TextIOWrapper:
+        # latin-1 gives one character per byte, so `offset` counts bytes; lines are
+        # decoded as UTF-8 one by one; newline="": csv's own handling of line endings
+        return io.TextIOWrapper(self.file, encoding="latin-1", newline="")
+
+    def __iter__(self) -> "_CsvLines":
+        return self
+
+    def __next__(self) -> str:
+        text = self.text.readline(self.limit + 1)
+        if not text:
+            self.exhausted = True
+            raise StopIteration
+        self.line += 1
+        self.offset += len(text)
+        if len(text) > self.limit and not text.endswith(("\n", "\r")):
+            while rest := self.text.readline(1 << 20):
+                self.offset += len(rest)
+                if rest.endswith(("\n", "\r")):
+                    break
+            raise _RowTooLong
+        if self.second_line is None:
+            self.second_line = (self.line, self.offset)
+        if self.line == 1 and text.startswith("\xef\xbb\xbf"):  # a UTF-8 byte order mark
+            text = text[3:]
+        return text.encode("latin-1").decode("utf-8", "surrogateescape")
+
+    def start_record(self) -> None:
+        self.second_line = None
+
+    def resume(self) -> bool:
+        """Go back to the second line of the record just read, if it had one."""
+        if self.second_line is None or self.second_line[0] == self.line:
+            return False
+        self.line, self.offset = self.second_line
+        self.text.detach()
+        self.file.seek(self.offset)
+        self.text = self._text()
+        self.exhausted = False
+        return True
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _csv_rows(path: Path, limit: int) -> Iterator[tuple[Where, Any]]:
+    """Each record with its header, or the reason it cannot be read: longer than `limit`,
+    or malformed quoting. After such a record, reading goes on from the line after the one
+    it started on.
+
+    Quoting is strict: a quote that opens a field must close it and be followed by a comma
+    or the line's end (a quote inside a quoted field is doubled). A stray quote (an
+    unclosed one, or `"a "b" c"`) would otherwise make the lines after it part of one
+    value, up to the next stray quote or the end of the file, and their records would be
+    silently lost."""
+    # csv's own limit on a field (128 KiB by default) is process-wide: set for each file
+    csv.field_size_limit(limit)
+    name, prefix = shown_name(path), f"{shown_name(path.name)}:"
+    lines = _CsvLines(path, limit)
+    try:
+        reader = csv.reader(lines, strict=True)
+        try:
+            header = next(reader, None)
+        except _RowTooLong:
+            raise JobError(f"{name}: the header is longer than {limit} bytes; "
+                           "--max-row-bytes sets the limit") from None
+        except csv.Error as e:
+            raise JobError(f"{name}: the header is not CSV: {e}") from None
         if header is None:
             return
         if len(set(header)) != len(header):
-            raise JobError(f"{shown_name(path)}: the header repeats a column name: {header}")
+            raise JobError(f"{name}: the header repeats a column name: {header}")
         if any(_SURROGATE.search(h) for h in header):
-            raise JobError(f"{shown_name(path)}: the header is not valid UTF-8")
-        for record in reader:
-            if record:
-                yield (prefix, reader.line_num), (header, record)
+            raise JobError(f"{name}: the header is not valid UTF-8")
+        while True:
+            lines.start_record()
+            first = lines.line + 1
+            try:
+                record = next(reader)
+            except StopIteration:
+                return
+            except _RowTooLong:
+                problem = _too_long(limit)
+            except csv.Error as e:
+                if lines.exhausted:
+                    problem = ValueError("a quote opened in this record is never closed")
+                elif "field limit" in str(e):
+                    problem = _too_long(limit)
+                else:
+                    problem = ValueError(f"malformed CSV quoting ({e}; a quote inside a "
+                                         "quoted field is written twice)")
+            else:
+                if record:
+                    yield (prefix, lines.line), (header, record)
+                continue
+            yield (prefix, first), problem
+            if lines.resume():
+                reader = csv.reader(lines, strict=True)
+    finally:
+        lines.close()
 
 
 def _csv_value(text: str) -> Any:
@@ -350,8 +497,11 @@ def csv_converters(schema: pa.Schema) -> dict[str, Callable[[str], Any]]:
     return {f.name: numeric[f.type] for f in schema if f.type in numeric}
 
 
-def _parse_csv(raw: tuple[list[str], list[str]], converters: dict[str, Callable] | None
+def _parse_csv(raw: tuple[list[str], list[str]] | Exception,
+               converters: dict[str, Callable] | None
                ) -> tuple[dict[str, Any] | None, str | None]:
+    if isinstance(raw, Exception):
+        return None, str(raw)
     header, record = raw
     if len(record) != len(header):
         return None, f"expected {len(header)} fields, got {len(record)}"

@@ -304,6 +304,47 @@ def test_json_nested_beyond_the_parser_fails_its_row_without_crashing(tmp_path):
     assert [rows[i]["completion"] is not None for i in (0, 2)] == [True, True]
 
 
+def test_a_50mb_line_fails_while_read_in_bounded_memory(tmp_path):
+    with open(tmp_path / "in.jsonl", "w") as f:
+        f.write('{"prompt": "a"}\n{"prompt": "')
+        for _ in range(50):
+            f.write("x" * 1_000_000)
+        f.write('"}\n{"prompt": "b"}\n')
+    report = run_job_process(tmp_path / "in.jsonl", tmp_path / "out")
+    assert report["exit_code"] == 0
+    # without the limit: 1 GiB over the start with the stand-in engine (7.3 GB with a
+    # real tokenizer), the row failing only at the engine's length check
+    assert report["growth_mib"] < 100 and report["seconds"] < 10, report
+    rows = read_output(tmp_path / "out")
+    assert "in.jsonl:2: longer than 16777216 bytes" in rows[1]["error"]
+    assert "--max-row-bytes" in rows[1]["error"] and rows[1]["prompt"] is None
+    assert rows[0]["completion"] is not None and rows[2]["completion"] is not None
+
+
+def test_max_row_bytes_flag(tmp_path, fake_cli):
+    (tmp_path / "in.jsonl").write_text('{"prompt": "short"}\n{"prompt": "%s"}\n' % ("y" * 500))
+    result = fake_cli(tmp_path / "in.jsonl", "-o", tmp_path / "out", "--max-row-bytes", "100")
+    assert result.exit_code == 0, result.output
+    rows = read_output(tmp_path / "out")
+    assert rows[0]["error"] is None and "longer than 100 bytes" in rows[1]["error"]
+    result = fake_cli(tmp_path / "in.jsonl", "-o", tmp_path / "out2", "--max-row-bytes", "0")
+    assert_fatal(result, "--max-row-bytes")
+
+
+def test_long_csv_fields_and_huge_integers_are_read(tmp_path, fake_cli):
+    digits = "9" * 5000  # more than int() converts
+    (tmp_path / "in.csv").write_text(f'prompt,n\n"{"z" * 200_000}",1\nhello,{digits}\nbye,3\n')
+    result = fake_cli(tmp_path / "in.csv", "-o", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    rows = read_output(tmp_path / "out")
+    assert [rows[i]["error"] for i in range(3)] == [None] * 3
+    assert [rows[i]["n"] for i in range(3)] == ["1", digits, "3"]
+    (tmp_path / "in.jsonl").write_text(f'{{"prompt": "a", "n": {digits}}}\n{{"prompt": "b"}}\n')
+    result = fake_cli(tmp_path / "in.jsonl", "-o", tmp_path / "out2")
+    assert result.exit_code == 0, result.output
+    assert read_output(tmp_path / "out2")[0]["n"] == digits
+
+
 @pytest.mark.parametrize("body", [b"", b"truncated"])
 def test_an_unreadable_parquet_file_exits_2_naming_it(tmp_path, fake_cli, no_model_load, body):
     if body:

@@ -304,3 +304,91 @@ def test_file_names_that_are_not_utf8(tmp_path):
         pq.write_table(pa.table({"prompt": ["p"]}), f)
     _, _, _, rows = read_all(os.fsdecode(name))
     assert rows[0].values == {"prompt": "p"}
+
+
+def test_csv_fields_beyond_the_csv_modules_default_limit(tmp_path):
+    big = "x" * 200_000  # csv's own limit is 128 KiB
+    (tmp_path / "in.csv").write_text(f'prompt,n\n"{big}",1\nhello,2\n')
+    _, _, _, rows = read_all(tmp_path / "in.csv")
+    assert [(r.values["prompt"], r.values["n"], r.error) for r in rows] == \
+        [(big, 1, None), ("hello", 2, None)]
+
+
+@pytest.mark.parametrize("body, bad_line", [
+    # a stray quote on line 3 would take the lines after it into one value, up to the next
+    # quote (the last record's) or to the end of the file
+    ('prompt,note\na,1\nb,"stray\nc,3\nd,"multi\nline"\ne,5\n', 3),
+    ('prompt,note\na,"multi\nline"\nb,"never closed\nc,3\nd,4\n', 4),
+    ('prompt,note\na,1\nb,"quoted" then text\nc,3\n', 3),
+])
+def test_stray_csv_quotes_fail_their_record_and_reading_goes_on(tmp_path, body, bad_line):
+    (tmp_path / "in.csv").write_text(body)
+    inspection, _, _, rows = read_all(tmp_path / "in.csv")
+    good = [r for r in rows if r.error is None]
+    bad = [r for r in rows if r.error is not None]
+    assert inspection.num_rows == len(rows)
+    assert [r.values["prompt"] for r in good] == [p for p in "acde" if f"\n{p}," in body]
+    assert len(bad) == 1 and bad[0].error.startswith(f"in.csv:{bad_line}: ")
+    assert "quote" in bad[0].error and bad[0].values == {}
+    assert all("\n" not in str(r.values["note"]) or r.values["note"] == "multi\nline"
+               for r in good)
+
+
+@pytest.mark.parametrize("name", ["in.jsonl", "in.json", "in.csv"])
+def test_rows_longer_than_max_row_bytes_fail_without_being_read(tmp_path, name):
+    long = "y" * 5000
+    rows = [{"prompt": "a"}, {"prompt": long}, {"prompt": "b"}]
+    if name == "in.json":
+        (tmp_path / name).write_text(json.dumps(rows))
+    elif name == "in.csv":
+        (tmp_path / name).write_text("prompt\n" + "".join(r["prompt"] + "\n" for r in rows))
+    else:
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    source = open_input(str(tmp_path / name), max_row_bytes=1000)
+    inspection = source.inspect()
+    schema, json_columns = inspection.schema({"prompt": "str"})
+    got = [r for batch in source.batches(schema, json_columns, RangeSet([])) for r in batch]
+    assert inspection.num_rows == 3
+    assert [r.values.get("prompt") for r in got] == ["a", None, "b"]
+    assert "1000 bytes" in got[1].error and "--max-row-bytes" in got[1].error
+    _, _, _, got = read_all(tmp_path / name)  # the default limit reads it
+    assert got[1].values["prompt"] == long
+
+
+def test_a_json_array_element_longer_than_the_limit_is_skipped_across_chunks(tmp_path):
+    # read 1 MiB at a time: the long element spans chunks, and its strings hold brackets,
+    # quotes and backslashes that must not end it early
+    tricky = {"s": 'a \\" ] } [ { , \\\\', "n": [1, {"k": "}"}, [[]]], "t": True,
+              "pad": "p" * 300}
+    long = {"prompt": "long", "x": [tricky] * 4000}
+    items = [{"prompt": "a"}, long, "text", 12.5, {"prompt": "b"}, long, {"prompt": "c"}]
+    (tmp_path / "in.json").write_text(json.dumps(items))
+    assert len(json.dumps(long)) > 1.2 * 2**20
+    source = open_input(str(tmp_path / "in.json"), max_row_bytes=100_000)
+    rows = [r for _, r in source._raw_rows()]
+    assert [r.get("prompt") if isinstance(r, dict) else r for r in rows[::2]] == \
+        ["a", "text", "b", "c"]
+    assert "100000 bytes" in str(rows[1]) and rows[3] == 12.5 and "100000" in str(rows[5])
+
+
+def test_a_json_array_syntax_error_is_not_taken_for_a_long_element(tmp_path):
+    # more text after the error than the limit: still reported as the error it is
+    rest = ", ".join('{"prompt": "p%d"}' % i for i in range(200))
+    (tmp_path / "in.json").write_text(f'[{{"prompt": "a"}}, {{"prompt": oops}}, {rest}]')
+    source = open_input(str(tmp_path / "in.json"), max_row_bytes=1000)
+    rows = [r for _, r in source._raw_rows()]
+    assert len(rows) == 2 and rows[0] == {"prompt": "a"}
+    assert "invalid JSON" in str(rows[1]) and "rest of the file" in str(rows[1])
+
+
+def test_a_csv_quote_running_past_the_limit_fails_its_record(tmp_path):
+    # no quote closes it: csv would gather the rest of the file into one field
+    body = 'prompt,n\na,1\nb,"runaway\n' + "".join(f"r{i},{i}\n" for i in range(300)) + "z,9\n"
+    (tmp_path / "in.csv").write_text(body)
+    source = open_input(str(tmp_path / "in.csv"), max_row_bytes=1000)
+    inspection = source.inspect()
+    schema, json_columns = inspection.schema({"prompt": "str"})
+    rows = [r for batch in source.batches(schema, json_columns, RangeSet([])) for r in batch]
+    assert inspection.num_rows == len(rows) == 303
+    assert rows[1].error.startswith("in.csv:3: longer than 1000 bytes")
+    assert [r.values["prompt"] for r in rows[2:]] == [f"r{i}" for i in range(300)] + ["z"]
