@@ -29,6 +29,7 @@ def run_bench(cache_dir, *args: str) -> tuple[str, dict]:
     return out, json.loads(out[out.index("\n{\n") + 1:])
 
 
+@pytest.mark.slow
 def test_throughput_line_and_summary(cache_dir, tmp_path):
     out_json = tmp_path / "res" / "bench.json"
     out, summary = run_bench(cache_dir, "--num-prompts", "6", "--input-len", "24",
@@ -128,6 +129,7 @@ def test_hf_baseline_reports_ratios(cache_dir):
     assert "Ours vs transformers static batching: " in out
 
 
+@pytest.mark.slow
 def test_num_runs_reports_the_median_run_and_ratio(cache_dir):
     out, summary = run_bench(cache_dir, "--num-prompts", "4", "--input-len", "16",
                              "--output-len", "4", "--baseline", "hf", "--hf-batch-sizes", "2,4",
@@ -144,6 +146,7 @@ def test_num_runs_reports_the_median_run_and_ratio(cache_dir):
     assert summary["output_tokens"] == 16 and "Runs (3), output tokens/s: ours " in out
 
 
+@pytest.mark.slow
 def test_each_system_releases_its_memory_before_the_next_runs(cache_dir, monkeypatch):
     # A system that ran after another on the pages that one faulted in (freed, but kept in
     # the heap) would skip the cost of faulting its own: every run is followed by a
@@ -188,6 +191,7 @@ def test_each_system_releases_its_memory_before_the_next_runs(cache_dir, monkeyp
             assert after == ("release", 0), events
 
 
+@pytest.mark.slow
 def test_sampling_flags_reach_both_systems(cache_dir, monkeypatch):
     """--temperature / --top-p / --top-k / --min-p: every request of ours samples with
     them, transformers' generation configs are built from the same settings, and the
@@ -326,6 +330,7 @@ def test_bench_is_a_batchinfer_subcommand():
     assert "--baseline" in result.output and "--model-stub" in result.output
 
 
+@pytest.mark.slow
 def test_engine_flags_reach_the_engine(cache_dir):
     _, summary = run_bench(cache_dir, "--num-prompts", "2", "--input-len", "8",
                            "--output-len", "2", "--gpu-memory-utilization", "0.5",
@@ -338,6 +343,7 @@ def test_engine_flags_reach_the_engine(cache_dir):
     assert engine["trust_remote_code"] is False and engine["tokenizer"] is None
 
 
+@pytest.mark.slow
 def test_tensor_parallel_bandwidth_and_mfu_are_the_groups(cache_dir, monkeypatch):
     # Rank 0's model holds a slice of the weights, the shape's KV bytes and FLOPs are the
     # whole model's: both are reported for the whole group, against its devices' peaks

@@ -11,7 +11,9 @@ import torch
 from batchinfer import LLM, SamplingParams
 from batchinfer.engine.cuda_graphs import capture_sizes
 
-cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def cuda_only(test):
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(),
+                                              reason="needs CUDA")(test))
 
 
 def test_capture_sizes():
@@ -59,6 +61,7 @@ def many_splits(monkeypatch):
     monkeypatch.setattr(decode_attention, "MIN_TOKENS_PER_SPLIT", 16)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU form of the check")
 @pytest.mark.parametrize("fixture", ["llama_dir", "mistral_dir"])
 def test_padded_static_forward_matches_plain_steps(fixture, request, many_splits):

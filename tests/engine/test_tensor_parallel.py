@@ -14,6 +14,8 @@ import pytest
 
 from batchinfer import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # each test starts process groups
+
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 SAMPLED = [
     GREEDY,

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pyarrow.dataset as ds
+import pytest
 
 from jobtools import ENGINE_FLAGS
 
@@ -41,6 +42,7 @@ def done(outdir: Path) -> int:
     return total
 
 
+@pytest.mark.slow
 def test_data_parallel_processes_split_stop_and_continue(tmp_path, job_model_dir):
     with open(tmp_path / "in.jsonl", "w") as f:
         for i in range(NUM_ROWS):
@@ -102,6 +104,7 @@ def test_data_parallel_mistakes_end_before_any_process(tmp_path, job_model_dir):
     assert textfile.returncode == 2 and "use --metrics-port P instead" in textfile.stderr
 
 
+@pytest.mark.slow
 def test_a_killed_process_stops_the_run_and_is_named(tmp_path, job_model_dir):
     with open(tmp_path / "in.jsonl", "w") as f:
         for i in range(NUM_ROWS):

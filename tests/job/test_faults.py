@@ -125,6 +125,7 @@ def test_a_full_disk_is_one_line_naming_the_cause(tmp_path):
         runner_patch.undo()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["commit", "merge", "shard"])
 def test_a_kill_at_any_step_keeps_every_row_exactly_once(tmp_path, mode):
     """SIGKILL at each file operation of a job's commits, of a merge, and of a shard's

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 NUM_ROWS = 1_000_000
 # Peak RSS growth over the process's RSS before the job starts (torch, pyarrow, ... loaded).
 # Measured on a 2-core machine with 10,000-row parts and a 4096-row reorder window: about
@@ -30,6 +32,7 @@ print(json.dumps({"base_mib": base, "peak_mib": peak, "exit_code": result.exit_c
 """
 
 
+@pytest.mark.slow
 def test_million_rows_stream_in_bounded_memory(tmp_path):
     source = tmp_path / "big.jsonl"
     with open(source, "w") as f:

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pyarrow.dataset as ds
+import pytest
 
 from batchinfer import SamplingParams
 
@@ -62,6 +63,7 @@ def wait_for_progress(proc: subprocess.Popen, outdir: Path, above: int, timeout:
     raise TimeoutError("the job made no progress")
 
 
+@pytest.mark.slow
 def test_stopped_and_killed_job_resumes_exactly_once(tmp_path, job_model_dir, reference_llm):
     """SIGTERM once, then SIGKILL at random points, then a full run: the rows equal an
     uninterrupted run's, none computed twice once committed, none lost or duplicated."""

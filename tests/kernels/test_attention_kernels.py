@@ -172,6 +172,7 @@ def test_rejects_unsupported_inputs(paged_batch, head_dim, dtype, match):
         paged_decode_attention(b.query, b.k_cache, b.v_cache, m.block_tables, m.seq_lens, SCALE)
 
 
+@pytest.mark.large
 @pytest.mark.skipif(os.environ.get("BATCHINFER_LARGE_TESTS") != "1",
                     reason="needs ~4.5 GiB of RAM; set BATCHINFER_LARGE_TESTS=1")
 def test_offsets_past_2_pow_31_elements(device):

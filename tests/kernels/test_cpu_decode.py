@@ -206,6 +206,7 @@ def test_build_failure_falls_back_with_a_warning(fresh_loader, monkeypatch, capl
     assert not list(fresh_loader.rglob("*.so"))
 
 
+@pytest.mark.slow
 def test_builds_into_the_cache_dir_once(fresh_loader, kernel):
     first = cpu_decode.load()
     assert first is not None and first.path.parent == fresh_loader / "kernels"

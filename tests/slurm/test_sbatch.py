@@ -13,7 +13,7 @@ import pytest
 
 from local_cluster import LocalSlurm
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 SCRIPT = Path(__file__).resolve().parents[2] / "slurm" / "batchinfer.sbatch"
 
