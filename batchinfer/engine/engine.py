@@ -5,17 +5,18 @@ from __future__ import annotations
 import numbers
 import time
 import weakref
-from dataclasses import dataclass, field
 
 import torch
 
 from batchinfer.config import DTYPES, EngineConfig, check_device
+from batchinfer.engine.chat import check_unicode, encode_prompts, render_chat_text
 from batchinfer.engine.detokenizer import IncrementalDetokenizer
 from batchinfer.engine.kv_cache_manager import KVCacheManager
-from batchinfer.engine.model_runner import ModelRunner
+from batchinfer.engine.model_runner import ModelRunner, RunnerOutput
+from batchinfer.engine.output_processor import OutputProcessor
 from batchinfer.engine.regex_guide import RegexGuide, VocabBytes, token_bytes
 from batchinfer.engine.request import Request, RequestStatus
-from batchinfer.engine.scheduler import Scheduler
+from batchinfer.engine.scheduler import Scheduler, SchedulerOutput
 from batchinfer.engine.tensor_parallel import (RunnerArgs, TensorParallelGroup, WorkerError,
                                                 check_divisible)
 from batchinfer.model.loader import (architecture, language_model_config, resolve_model_path,
@@ -27,16 +28,6 @@ from batchinfer.sampling_params import SamplingParams
 
 # distinct regex patterns whose guides (and the DFA states they reached) are kept
 MAX_REGEX_GUIDES = 64
-
-
-@dataclass
-class _Parent:
-    """One add_request call: its n sample streams and their finished completions."""
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    children: list[Request]
-    done: dict[int, CompletionOutput] = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -102,15 +93,10 @@ class LLMEngine:
         self.kv = KVCacheManager(self.model_runner.num_blocks, config.block_size,
                                  config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.requests: dict[str, Request] = {}
-        self.parents: dict[str, _Parent] = {}
-        self._failed: list[RequestOutput] = []
-        self.num_prompt_tokens_computed = 0
-        self.num_generated_tokens = 0
-        self._token_texts: dict[int, str] = {}
+        self.output_processor = OutputProcessor(self.tokenizer, self.kv.share_prompt_logprobs)
+        self._failed: list[RequestOutput] = []  # requests refused by add_request
         self._regex_guides: dict[str, RegexGuide] = {}
         self._vocab_bytes: VocabBytes | None = None
-        self.num_steps = 0
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "LLMEngine":
@@ -129,8 +115,8 @@ class LLMEngine:
         # n > 1 samples run as requests "ID#0", "ID#1", ...: none may share an id either
         child_ids = ([request_id] if params.n == 1
                      else [f"{request_id}#{i}" for i in range(params.n)])
-        taken = next((c for c in child_ids if c in self.requests), None)
-        if request_id in self.parents or taken == request_id:
+        taken = next((c for c in child_ids if c in self.scheduler.requests), None)
+        if request_id in self.output_processor.parents or taken == request_id:
             raise ValueError(f"request id {request_id!r} is already in use")
         if taken is not None:
             raise ValueError(f"request id {request_id!r}: the id of its sample {taken!r} is "
@@ -165,9 +151,8 @@ class LLMEngine:
                     self.tokenizer, child_params.stop, child_params.skip_special_tokens,
                     child_params.include_stop_str_in_output)
             children.append(child)
-        self.parents[request_id] = _Parent(request_id, text, token_ids, children)
+        self.output_processor.add(request_id, text, token_ids, children)
         for child in children:
-            self.requests[child.request_id] = child
             self.scheduler.add_request(child)
 
     def _truncate(self, token_ids: list[int], params: SamplingParams) -> list[int]:
@@ -259,7 +244,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
-            _check_unicode(prompt, "prompt")
+            check_unicode(prompt, "prompt")
             token_ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
             vocab = self.model_config.vocab_size
@@ -293,11 +278,9 @@ class LLMEngine:
         dropped = set(request_ids)
         self._failed = [out for out in self._failed if out.request_id not in dropped]
         for request_id in request_ids:
-            parent = self.parents.pop(request_id, None)
-            for child in parent.children if parent else ():
+            for child in self.output_processor.pop(request_id):
                 if not child.status.finished:
                     self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
-                self.requests.pop(child.request_id, None)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes (nothing to do without them). The
@@ -307,129 +290,39 @@ class LLMEngine:
             self.tensor_parallel = None
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.parents or self._failed)
+        return bool(self.output_processor.parents or self._failed)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.parents) + len(self._failed)
+        return len(self.output_processor.parents) + len(self._failed)
 
     # ---- the step --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns the requests that finished during it."""
+        """Run one engine step (schedule, execute, update the scheduler, make outputs);
+        returns the requests that finished during it."""
         finished, self._failed = self._failed, []
         if not self.scheduler.has_unfinished():
             return finished
         plan = self.scheduler.schedule()
+        result = self._execute(plan)
+        sampled = self.scheduler.update_from_output(plan, result.req_ids, result.token_ids)
+        stopped = self.output_processor.process(sampled, result.token_ids, result.logprobs,
+                                                result.prompt_logprobs, self.scheduler.requests)
+        for req, status in stopped:
+            self.scheduler.finish(req, status)
+            output = self.output_processor.finish(req)
+            if output is not None:
+                finished.append(output)
+        return finished
+
+    def _execute(self, plan: SchedulerOutput) -> RunnerOutput:
         if plan.total_num_scheduled_tokens == 0:
             raise RuntimeError("the scheduler could not schedule any request")
         try:
-            result = self.model_runner.execute(plan)
+            return self.model_runner.execute(plan)
         except BaseException as e:
             if self.tensor_parallel is not None:
                 self.tensor_parallel.mark_broken(f"{type(e).__name__}: {e}")
             raise
-        now = time.monotonic()
-        self.num_steps += 1
-        for req_id, n in plan.num_scheduled_tokens.items():
-            req = self.requests[req_id]
-            if req.num_computed_tokens < req.num_prompt_tokens:
-                self.num_prompt_tokens_computed += min(n, req.num_prompt_tokens - req.num_computed_tokens)
-            req.num_computed_tokens += n
-        self.num_generated_tokens += len(result.token_ids)
-        requests = self.requests
-        for req_id, (first, rows) in (result.prompt_logprobs or {}).items():
-            self._record_prompt_logprobs(requests[req_id], first, rows)
-            self.kv.share_prompt_logprobs(requests[req_id])
-        for i, (req_id, token) in enumerate(zip(result.req_ids, result.token_ids)):
-            req = requests[req_id]
-            req.token_ids.append(token)
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            if req.logprobs is not None:
-                self._record_logprobs(req, token, result.logprobs[i])
-            if (req.detokenizer is None and token not in req.stop_token_ids
-                    and len(req.token_ids) < req.length_limit):
-                continue  # _check_stop's answer for most tokens, without the call
-            status = self._check_stop(req, token)
-            if status is not None:
-                req.metrics.finished_time = now
-                self.scheduler.finish(req, status)
-                output = self._finish_child(req)
-                if output is not None:
-                    finished.append(output)
-        return finished
-
-    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
-        num_output = len(req.token_ids) - req.num_prompt_tokens
-        past_min = num_output >= req.params.min_tokens
-        detokenizer = req.detokenizer
-        if past_min and token in req.stop_token_ids:
-            if token in req.params.stop_token_ids:
-                req.stop_reason = token
-            if detokenizer is not None and req.params.include_stop_str_in_output:
-                detokenizer.add(token, check_stop=False)
-            status = RequestStatus.FINISHED_STOPPED
-        else:
-            if detokenizer is not None:
-                stop = detokenizer.add(token, check_stop=past_min)
-                if stop is not None:
-                    req.stop_reason = stop
-                    return RequestStatus.FINISHED_STOPPED
-            if num_output < req.max_tokens:
-                return None
-            status = RequestStatus.FINISHED_LENGTH
-        # ending: the text held back for an incomplete character is the request's too
-        if detokenizer is not None and (stop := detokenizer.flush(past_min)) is not None:
-            req.stop_reason = stop
-            status = RequestStatus.FINISHED_STOPPED
-        return status
-
-    def _record_logprobs(self, req: Request, token: int, entry) -> None:
-        top_ids, values, rank = entry
-        req.logprobs.add(token, top_ids, values, rank, req.params.logprobs, self._token_text)
-        req.cumulative_logprob += values[-1]
-
-    def _token_text(self, token: int) -> str:
-        """One token decoded alone (the text logprobs report), cached per token id."""
-        text = self._token_texts.get(token)
-        if text is None:
-            text = self._token_texts[token] = self.tokenizer.decode([token])
-        return text
-
-    def _record_prompt_logprobs(self, req: Request, first: int, rows) -> None:
-        """Prompt positions first, first + 1, ...: each (top ids, values (+ the prompt
-        token's), its rank), as the model runner computed them for one prefill chunk."""
-        k, recorded = req.params.prompt_logprobs, req.prompt_logprobs
-        for offset, (top_ids, values, rank) in enumerate(rows):
-            position = first + offset
-            if position < len(recorded):
-                continue  # a chunk computed again (after a preemption) gives the same
-            while len(recorded) < position:
-                recorded.add_none()
-            recorded.add(req.token_ids[position], top_ids, values, rank, k, self._token_text)
-
-    def _finish_child(self, req: Request) -> RequestOutput | None:
-        parent = self.parents[req.parent_id]
-        if req.detokenizer is not None:
-            text = req.detokenizer.text
-        else:
-            ids = req.output_token_ids
-            if (req.status == RequestStatus.FINISHED_STOPPED
-                    and not req.params.include_stop_str_in_output):
-                ids = ids[:-1]  # as in vLLM, a stop token's text is left out by default
-            text = self.tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens)
-        parent.done[req.sample_index] = CompletionOutput(
-            req.sample_index, text, req.output_token_ids, req.cumulative_logprob, req.logprobs,
-            req.status.value, req.stop_reason, req.metrics)
-        del self.requests[req.request_id]
-        if len(parent.done) < len(parent.children):
-            return None
-        del self.parents[parent.request_id]
-        outputs = [parent.done[i] for i in range(len(parent.children))]
-        first = parent.children[0]
-        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs,
-                             True, max(first.num_cached_tokens, 0),
-                             _merge_metrics([c.metrics for c in parent.children]),
-                             prompt_logprobs=first.prompt_logprobs)
 
     # ---- introspection ---------------------------------------------------------------
     def stats(self) -> dict:
@@ -443,9 +336,9 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "kv_cache_usage": self.kv.usage,
-            "num_prompt_tokens_computed": self.num_prompt_tokens_computed,
-            "num_generated_tokens": self.num_generated_tokens,
-            "num_steps": self.num_steps,
+            "num_prompt_tokens_computed": self.scheduler.num_prompt_tokens_computed,
+            "num_generated_tokens": self.scheduler.num_generated_tokens,
+            "num_steps": self.scheduler.num_steps,
             "block_size": self.config.block_size,
             "max_model_len": self.max_model_len,
         }
@@ -464,106 +357,18 @@ class LLMEngine:
         return self.encode_prompts([text], add_special_tokens=False)[0]
 
     def encode_prompts(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
-        """Token ids of many texts in one tokenizer call, the same ids as encoding each
-        alone: a fast (Rust) tokenizer encodes the batch on all cores without the GIL.
-        Rendered chats take add_special_tokens=False (the template wrote them); a text that
-        is not valid Unicode raises ValueError."""
-        for text in texts:
-            _check_unicode(text, "prompt")
-        if not texts:
-            return []
-        return self.tokenizer(texts, add_special_tokens=add_special_tokens,
-                              return_attention_mask=False,
-                              return_token_type_ids=False)["input_ids"]
+        """Token ids of many texts in one tokenizer call (see chat.encode_prompts)."""
+        return encode_prompts(self.tokenizer, texts, add_special_tokens)
 
     def render_chat_text(self, messages: list[dict], add_generation_prompt: bool = True, *,
                          chat_template: str | None = None,
                          chat_template_kwargs: dict | None = None,
                          continue_final_message: bool = False) -> str:
         """render_chat's conversation as text, before tokenizing (see encode_prompts)."""
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
-        messages = [_text_message(m) for m in messages]
-        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("the model's tokenizer has no chat template")
-        kwargs = check_chat_template_kwargs(chat_template_kwargs)
-        if continue_final_message and add_generation_prompt:
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be "
-                             "set: the last message is either continued or answered")
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, chat_template=chat_template,
-                **kwargs)
-        except Exception as e:  # a template error (jinja2's TemplateError and its kin)
-            if isinstance(e, ValueError):
-                raise
-            raise ValueError(f"the chat template failed: {type(e).__name__}: {e}") from None
-        _check_unicode(text, "the conversation")  # roles and content parts included
-        return text
-
-
-# apply_chat_template's own arguments: not template variables
-_RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "messages", "tokenize", "add_generation_prompt", "chat_template",
-    "continue_final_message", "return_tensors", "return_dict", "tools", "documents",
-    "padding", "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask"})
-
-
-def check_chat_template_kwargs(kwargs) -> dict:
-    """chat_template_kwargs as a dict of template variables, or a ValueError naming what
-    is wrong."""
-    if kwargs is None:
-        return {}
-    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
-        raise ValueError("chat_template_kwargs must be an object of template variables, e.g. "
-                         '{"enable_thinking": false}')
-    reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
-    if reserved:
-        raise ValueError(f"chat_template_kwargs cannot set {', '.join(reserved)}")
-    return kwargs
-
-
-def _text_message(message) -> dict:
-    """A chat message with string content. OpenAI's list of content parts is taken when
-    every part is text ({"type": "text", "text": ...}); the texts are joined by newlines,
-    as vLLM does for templates that take a string."""
-    if not (isinstance(message, dict) and isinstance(message.get("role"), str)):
-        raise ValueError("each message must be a dict with string 'role' and 'content'")
-    content = message.get("content")
-    if isinstance(content, list):
-        if not all(isinstance(p, dict) and p.get("type") == "text"
-                   and isinstance(p.get("text"), str) for p in content):
-            raise ValueError("message content parts must be text parts "
-                             "({'type': 'text', 'text': ...}); other kinds are not supported")
-        return {**message, "content": "\n".join(p["text"] for p in content)}
-    if not isinstance(content, str):
-        raise ValueError("each message must be a dict with string 'role' and 'content'")
-    return message
-
-
-def _check_unicode(text: str, what: str) -> None:
-    """Text a tokenizer can take: encodable as UTF-8 (a lone surrogate such as the JSON
-    escape \\ud800 is not)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"{what} is not valid Unicode ({e.reason}: {text[e.start:e.end]!r} "
-                         f"at character {e.start})") from None
-
-
-def _merge_metrics(parts: list[RequestMetrics]) -> RequestMetrics:
-    def first(values):
-        values = [v for v in values if v is not None]
-        return min(values) if values else None
-
-    finished = [m.finished_time for m in parts if m.finished_time is not None]
-    return RequestMetrics(
-        arrival_time=parts[0].arrival_time,
-        first_scheduled_time=first(m.first_scheduled_time for m in parts),
-        first_token_time=first(m.first_token_time for m in parts),
-        finished_time=max(finished) if finished else None,
-        num_preemptions=sum(m.num_preemptions for m in parts))
+        return render_chat_text(self.tokenizer, messages, add_generation_prompt,
+                                chat_template=chat_template,
+                                chat_template_kwargs=chat_template_kwargs,
+                                continue_final_message=continue_final_message)
 
 
 def _eos_token_ids(path, hf_config, tokenizer) -> frozenset[int]:

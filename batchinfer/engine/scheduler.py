@@ -53,12 +53,17 @@ class Scheduler:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.requests: dict[str, Request] = {}  # the unfinished ones, by id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        self.num_prompt_tokens_computed = 0
+        self.num_generated_tokens = 0
+        self.num_steps = 0
 
     def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -122,6 +127,28 @@ class Scheduler:
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         return out
 
+    def update_from_output(self, plan: SchedulerOutput, req_ids: list[str],
+                           token_ids: list[int]) -> list[Request]:
+        """After the step `plan` ran: each scheduled request's computed tokens catch up by
+        what was scheduled, and each request in `req_ids` gets its sampled token. Returns
+        those requests, in `req_ids` order."""
+        requests = self.requests
+        self.num_steps += 1
+        for req_id, n in plan.num_scheduled_tokens.items():
+            req = requests[req_id]
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                self.num_prompt_tokens_computed += min(
+                    n, req.num_prompt_tokens - req.num_computed_tokens)
+            req.num_computed_tokens += n
+        self.num_generated_tokens += len(token_ids)
+        now = time.monotonic()
+        sampled = [requests[req_id] for req_id in req_ids]
+        for req, token in zip(sampled, token_ids):
+            req.token_ids.append(token)
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+        return sampled
+
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
@@ -138,5 +165,7 @@ class Scheduler:
         elif not req.status.finished:
             self.waiting.remove(req)
         req.status = status
+        req.metrics.finished_time = time.monotonic()
         self.kv.free(req)
         self.finished_req_ids.add(req.request_id)
+        del self.requests[req.request_id]

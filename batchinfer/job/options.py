@@ -247,7 +247,7 @@ class JobOptions:
         """--chat-template-kwargs: a JSON object of extra chat template variables."""
         if self.chat_template_kwargs is None:
             return None
-        from batchinfer.engine.engine import check_chat_template_kwargs
+        from batchinfer.engine.chat import check_chat_template_kwargs
         try:
             return check_chat_template_kwargs(json.loads(self.chat_template_kwargs))
         except (json.JSONDecodeError, ValueError) as e:

@@ -54,7 +54,7 @@ def assert_no_blocks_held(llm: LLM) -> None:
     assert pool.num_free_blocks == pool.num_blocks
     assert engine.kv.req_blocks == {}
     assert not engine.scheduler.has_unfinished()
-    assert engine.requests == {} and engine.parents == {}
+    assert engine.scheduler.requests == {} and engine.output_processor.parents == {}
 
 
 @torch.inference_mode()
@@ -492,7 +492,7 @@ def test_choices_decode_to_exactly_their_text(tmp_path, model_dir):
 
 def test_prompt_logprobs_with_n_samples_score_the_prompt_once(llm):
     prompt = list(range(5, 200))
-    llm.llm_engine.num_prompt_tokens_computed = 0
+    llm.llm_engine.scheduler.num_prompt_tokens_computed = 0
     out = llm.generate([prompt], SamplingParams(n=4, max_tokens=2, prompt_logprobs=0,
                                                 temperature=1.0, seed=1))[0]
     assert len(out.prompt_logprobs) == len(prompt) and len(out.outputs) == 4

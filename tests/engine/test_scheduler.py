@@ -1,6 +1,6 @@
-"""The scheduler driven directly, with fake requests and no model: schedule() is called
-and the engine's bookkeeping is simulated (computed tokens catch up by the scheduled
-amount; a request that reaches its end gets a fake sampled token)."""
+"""The scheduler driven directly, with fake requests and no model: schedule() is called,
+then update_from_output() with a fake sampled token for each request that reaches its
+end."""
 from __future__ import annotations
 
 import random
@@ -41,15 +41,16 @@ class Sim:
         return out
 
     def apply(self, out: SchedulerOutput) -> SchedulerOutput:
-        """The engine's bookkeeping after the model ran the plan."""
-        for req_id, n in out.num_scheduled_tokens.items():
-            req = self.requests[req_id]
-            req.num_computed_tokens += n
-            if req.num_computed_tokens == req.num_tokens:
-                req.append_token(1000 + req.num_output_tokens)
-                if req.num_output_tokens >= req.max_tokens:
-                    self.sched.finish(req, RequestStatus.FINISHED_LENGTH)
-                    self.finished.append(req_id)
+        """What the model's step gives the scheduler: a sampled token for each request
+        whose computed tokens reach its end; one at its max_tokens finishes."""
+        sampled = [req_id for req_id, n in out.num_scheduled_tokens.items()
+                   if self.requests[req_id].num_computed_tokens + n
+                   == self.requests[req_id].num_tokens]
+        tokens = [1000 + self.requests[req_id].num_output_tokens for req_id in sampled]
+        for req in self.sched.update_from_output(out, sampled, tokens):
+            if req.num_output_tokens >= req.max_tokens:
+                self.sched.finish(req, RequestStatus.FINISHED_LENGTH)
+                self.finished.append(req.request_id)
         return out
 
     def run(self, max_steps: int = 1000) -> list[SchedulerOutput]:
