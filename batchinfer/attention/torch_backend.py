@@ -2,9 +2,9 @@
 
 Once per step (not per layer) it turns block tables into gather indices and masks; per
 layer it writes the new K/V into the cache, gathers each sequence's context and runs SDPA.
-Decodes on CPU go to a C kernel that reads the blocks in place (kernels/cpu_decode.py)
+Decodes on CPU go to a C kernel that reads the blocks in place (kernels/cpu/decode.py)
 where it can be built, and so do prefill chunks of sequences no longer than the sliding
-window, if any (kernels/cpu_prefill.py), all of a step's chunks in one call (but for long
+window, if any (kernels/cpu/prefill.py), all of a step's chunks in one call (but for long
 bfloat16 ones on CPUs with AMX, which torch's flash kernel runs faster). Otherwise decodes
 are batched in a few groups of similar length (the runner sorts them) with the query heads
 of each KV head folded into the query axis, so GQA needs no K/V expansion, and prefill
@@ -13,7 +13,7 @@ chunks run one flash call each (under a window, one per run of `window` queries)
 Cascade: when sequences share leading blocks (a common system prompt) that lie wholly
 before all of their queries, those blocks are attended once for the whole batch — one
 dense product of every query row against the shared K/V (on CPU a C kernel where it
-applies: kernels/cpu_shared_prefix.py) — and only each sequence's own tail is gathered. The
+applies: kernels/cpu/shared_prefix.py) — and only each sequence's own tail is gathered. The
 two partial results are merged by their log-sum-exp (the C decode kernels take the shared
 result as their starting point and merge as they go). That removes the shared part from
 every per-sequence copy, which on CPU is most of the cost.
@@ -25,7 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from batchinfer.kernels import cpu_decode, cpu_prefill, cpu_shared_prefix
+from batchinfer.kernels.cpu import decode as cpu_decode
+from batchinfer.kernels.cpu import prefill as cpu_prefill
+from batchinfer.kernels.cpu import shared_prefix as cpu_shared_prefix
 
 from .metadata import AttentionMetadata
 

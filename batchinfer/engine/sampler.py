@@ -6,8 +6,8 @@ greedy rows take argmax -> temperature -> min_p / top_k / top_p -> sample. Sampl
 exponential noise per row (argmax(p / q) is a sample from p); a seeded request draws its
 noise from its own generator, so its output does not depend on what shares the batch.
 On CPU a C kernel does temperature, the filters and the draw in a few passes per row with
-no sort (kernels/cpu_sample.py), from one seed per row drawn the same way, and another the
-logprobs without writing the whole log-softmax (kernels/cpu_logprobs.py).
+no sort (kernels/cpu/sample.py), from one seed per row drawn the same way, and another the
+logprobs without writing the whole log-softmax (kernels/cpu/logprobs.py).
 """
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from batchinfer.kernels import cpu_logprobs, cpu_ops, cpu_sample
+from batchinfer.kernels.cpu import logprobs as cpu_logprobs
+from batchinfer.kernels.cpu import ops as cpu_ops
+from batchinfer.kernels.cpu import sample as cpu_sample
 
 _SEED_BOUND = 2 ** 62  # per-row seeds for the CPU kernel are drawn below this
 
@@ -222,7 +224,7 @@ _ARGMAX_CHUNK = 128
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """Row-wise argmax (first index of the maximum, as torch.argmax) of [N, V] logits.
 
-    On CPU the C ops (kernels/cpu_ops.c) do it in one pass where they can be built.
+    On CPU the C ops (kernels/cpu/ops.c) do it in one pass where they can be built.
     Otherwise: torch's reduction that also tracks indices is several times slower than one
     that only finds the value, so this takes the maximum of each 128-wide chunk (value
     only), picks each row's first chunk holding the row maximum, and searches only that

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchinfer.attention import AttentionMetadata
-from batchinfer.kernels import cpu_ops, cpu_rope
+from batchinfer.kernels.cpu import ops as cpu_ops
+from batchinfer.kernels.cpu import rope as cpu_rope
 from batchinfer.model import cpu_linear
 from batchinfer.model.moe import EXPERT_TENSOR, SparseMoE, mixtral_name, moe_block
 from batchinfer.model.parallel import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear,

@@ -7,7 +7,7 @@ ascending expert order, as transformers' eager experts do, so float32 results ma
 sums. With tensor parallelism every rank holds a slice of every expert's intermediate
 dimension and the partial results are summed by one all-reduce per layer.
 
-On CUDA the experts run as two grouped Triton products (kernels/fused_moe.py) planned
+On CUDA the experts run as two grouped Triton products (kernels/triton/fused_moe.py) planned
 without host synchronisation, so decode steps are captured in CUDA graphs. Elsewhere a loop
 over the experts that received tokens runs; it reads the per-expert token counts on the
 host. On CPU each expert's weights are packed once for oneDNN (cpu_linear), which would
@@ -107,7 +107,7 @@ class SparseMoE(nn.Module):
         if self.weights_in_model_dtype:
             weights = weights.to(x.dtype)
         if self.fused(x):
-            from batchinfer.kernels.fused_moe import fused_moe
+            from batchinfer.kernels.triton.fused_moe import fused_moe
             out = fused_moe(x, self.w13, self.w2, experts, weights, self.weights_in_model_dtype)
             return TensorParallel.all_reduce(out)
         # the (token, choice) pairs grouped by expert; the per-expert work is the products

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from batchinfer.engine.sampler import Sampler, SamplingBatch, greedy_argmax, logprobs
-from batchinfer.kernels import cpu_logprobs, cpu_ops, cpu_sample
+from batchinfer.kernels.cpu import logprobs as cpu_logprobs
+from batchinfer.kernels.cpu import ops as cpu_ops
+from batchinfer.kernels.cpu import sample as cpu_sample
 
 N = 20_000  # samples per statistical check: 4 sigma of a frequency is below 0.015
 PROBS = torch.tensor([0.40, 0.25, 0.15, 0.10, 0.06, 0.04])

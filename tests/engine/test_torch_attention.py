@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from batchinfer.attention import AttentionMetadata, TorchAttention
-from batchinfer.kernels import cpu_decode, cpu_prefill
-from batchinfer.kernels.reference import ref_decode_attention, ref_prefill_attention
+from batchinfer.kernels.cpu import decode as cpu_decode
+from batchinfer.kernels.cpu import prefill as cpu_prefill
+from reference import ref_decode_attention, ref_prefill_attention
 
 BLOCK = 16
 KV_HEADS, GROUP, HEAD_DIM = 2, 4, 32

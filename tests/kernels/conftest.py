@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from batchinfer.attention.metadata import AttentionMetadata
-from batchinfer.kernels import cpu_build
+from batchinfer.kernels.cpu import build as cpu_build
 
 # On a CUDA machine the kernels run compiled on the GPU, elsewhere under the interpreter.
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

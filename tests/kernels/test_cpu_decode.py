@@ -1,4 +1,4 @@
-"""The C paged-decode kernel (kernels/paged_decode_cpu.c) against a float64 reference.
+"""The C paged-decode kernel (kernels/cpu/decode.c) against a float64 reference.
 
 Caches come from the paged_batch fixture (on the CPU here): blocks in shuffled order and
 NaN in every slot outside a context, so a read past a sequence's range, or a masked lane
@@ -11,7 +11,8 @@ import tempfile
 import pytest
 import torch
 
-from batchinfer.kernels import cpu_build, cpu_decode
+from batchinfer.kernels.cpu import build as cpu_build
+from batchinfer.kernels.cpu import decode as cpu_decode
 
 CPU = torch.device("cpu")
 

@@ -1,11 +1,11 @@
-"""The CPU logprobs kernel (kernels/cpu_logprobs.c) against torch's log-softmax, top k,
+"""The CPU logprobs kernel (kernels/cpu/logprobs.c) against torch's log-softmax, top k,
 gather and rank: values, ids, ranks, ties, degenerate rows, strides and the contract."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from batchinfer.kernels import cpu_logprobs
+from batchinfer.kernels.cpu import logprobs as cpu_logprobs
 
 
 @pytest.fixture(scope="module")

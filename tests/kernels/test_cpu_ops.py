@@ -1,4 +1,4 @@
-"""Fused elementwise ops for CPUs (kernels/cpu_ops.c) against torch's own sequence of
+"""Fused elementwise ops for CPUs (kernels/cpu/ops.c) against torch's own sequence of
 operations, in bfloat16 and float32, and the model layers that use them."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from batchinfer import LLM, SamplingParams
-from batchinfer.kernels import cpu_ops
+from batchinfer.kernels.cpu import ops as cpu_ops
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The C prefill-attention kernel (kernels/prefill_attn_cpu.c) against a float64 reference.
+"""The C prefill-attention kernel (kernels/cpu/prefill.c) against a float64 reference.
 
 Caches come from the paged_batch fixture (on the CPU here): blocks in shuffled order and
 NaN in every slot outside a context, so a read past a chunk's keys shows as NaN."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchinfer.kernels import cpu_prefill
+from batchinfer.kernels.cpu import prefill as cpu_prefill
 
 CPU = torch.device("cpu")
 

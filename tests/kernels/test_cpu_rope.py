@@ -1,4 +1,4 @@
-"""Rotary embedding plus KV-cache write in one C pass (kernels/cpu_rope.c) against the
+"""Rotary embedding plus KV-cache write in one C pass (kernels/cpu/rope.c) against the
 model's torch path: the same bits in q, in the cache slots written, and nowhere else."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from batchinfer import LLM, SamplingParams
 from batchinfer.attention.torch_backend import write_kv
-from batchinfer.kernels import cpu_rope
+from batchinfer.kernels.cpu import rope as cpu_rope
 from batchinfer.model.rope import RotaryEmbedding, apply_rotary
 
 

@@ -1,4 +1,4 @@
-"""The C shared-prefix attention kernel (kernels/shared_prefix_cpu.c) against attention in
+"""The C shared-prefix attention kernel (kernels/cpu/shared_prefix.c) against attention in
 float32: float32 inputs within float32 rounding, bfloat16 inputs as closely as torch's flash
 kernel gets on the same inputs."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchinfer.kernels import cpu_shared_prefix
+from batchinfer.kernels.cpu import shared_prefix as cpu_shared_prefix
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,10 @@
-"""Fused elementwise operations for models on CPUs (cpu_ops.c), built by cpu_build.py and
+"""Fused elementwise operations for models on CPUs (ops.c), built by build.py and
 called through ctypes.
 
 torch runs RMSNorm as about eight passes over memory (nine with the residual add before
 it) and SiLU-times-up as two, for bfloat16 each converting to float32 and back, for
 float32 each writing a temporary; these do each in one pass, for bfloat16 with torch's
-rounding (see cpu_ops.c). They apply to contiguous bfloat16 and float32 CPU tensors whose
+rounding (see ops.c). They apply to contiguous bfloat16 and float32 CPU tensors whose
 last dimension is a multiple of 16 (RMSNorm also to some heads of a projection's output,
 in place: per-head q/k norms); for anything else, or when the library cannot be built,
 for_tensor() returns None and the model keeps to torch.
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from . import cpu_build
+from . import build
 
-SOURCE = Path(__file__).with_name("cpu_ops.c")
+SOURCE = Path(__file__).with_name("ops.c")
 
 
 class CpuOps:
@@ -26,18 +26,18 @@ class CpuOps:
         lib = ctypes.CDLL(str(path))
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         act_args = [p, p, p, i64, i64, i64, i64, i64]
-        self._silu_mul = cpu_build.entry_points(
+        self._silu_mul = build.entry_points(
             lib, {torch.bfloat16: "silu_mul_bf16", torch.float32: "silu_mul_f32"},
             act_args, None)
-        self._gelu_tanh_mul = cpu_build.entry_points(
+        self._gelu_tanh_mul = build.entry_points(
             lib, {torch.bfloat16: "gelu_tanh_mul_bf16", torch.float32: "gelu_tanh_mul_f32"},
             act_args, None)
         rms_args = [p, p, p, p, i64, i64, i64, i64, i64, ctypes.c_float]
         self._rms_norm = {
-            **cpu_build.entry_points(lib, {torch.bfloat16: "rms_norm_bf16"},
+            **build.entry_points(lib, {torch.bfloat16: "rms_norm_bf16"},
                                      rms_args + [ctypes.c_int], None),
-            **cpu_build.entry_points(lib, {torch.float32: "rms_norm_f32"}, rms_args, None)}
-        self._argmax = cpu_build.entry_points(
+            **build.entry_points(lib, {torch.float32: "rms_norm_f32"}, rms_args, None)}
+        self._argmax = build.entry_points(
             lib, {torch.bfloat16: "argmax_bf16", torch.float32: "argmax_f32"},
             [p, i64, i64, i64, p], None)
 
@@ -133,7 +133,7 @@ class CpuOps:
 
 def load() -> CpuOps | None:
     """The ops, built on first use; None when they cannot be built here or are switched off."""
-    return cpu_build.load(SOURCE, CpuOps)
+    return build.load(SOURCE, CpuOps)
 
 
 def for_tensor(x: torch.Tensor) -> CpuOps | None:

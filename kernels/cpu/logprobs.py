@@ -1,11 +1,11 @@
-"""Log-probabilities from float32 or bfloat16 logits on CPUs (cpu_logprobs.c), built by
-cpu_build.py and called through ctypes.
+"""Log-probabilities from float32 or bfloat16 logits on CPUs (logprobs.c), built by
+build.py and called through ctypes.
 
 What a request's `logprobs` asks of every step: the top k of each row's log-softmax and
 the sampled token's value and rank. torch's way writes the whole [rows, vocab]
 log-softmax and reads it three more times, about 0.23 s a step for 256 rows of a
 151,936-token vocabulary on two cores; this reads each row three times and writes only
-what is asked for (see cpu_logprobs.c). load() gives None where the library cannot be
+what is asked for (see logprobs.c). load() gives None where the library cannot be
 built, and the sampler keeps to torch.
 """
 from __future__ import annotations
@@ -15,16 +15,16 @@ from pathlib import Path
 
 import torch
 
-from . import cpu_build
+from . import build
 
-SOURCE = Path(__file__).with_name("cpu_logprobs.c")
+SOURCE = Path(__file__).with_name("logprobs.c")
 
 
 class CpuLogprobs:
     def __init__(self, path: Path):
         lib = ctypes.CDLL(str(path))
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._fns = cpu_build.entry_points(
+        self._fns = build.entry_points(
             lib, {torch.float32: "logprobs_f32", torch.bfloat16: "logprobs_bf16"},
             [p, i64, i64, i64, i64, p, p, p, p, p], None)
         lib.logprobs_max_k.restype = ctypes.c_int
@@ -61,4 +61,4 @@ class CpuLogprobs:
 
 def load() -> CpuLogprobs | None:
     """The kernel, built on first use; None when it cannot be built here or is switched off."""
-    return cpu_build.load(SOURCE, CpuLogprobs)
+    return build.load(SOURCE, CpuLogprobs)

@@ -1,4 +1,4 @@
-"""The C prefill-attention kernel for CPUs (prefill_attn_cpu.c), built by cpu_build.py and
+"""The C prefill-attention kernel for CPUs (prefill.c), built by build.py and
 called through ctypes.
 
 torch's flash kernel runs each prompt chunk as its own small problem, where its per-block
@@ -7,7 +7,7 @@ set-up outweighs the arithmetic (about 2 ns per query-key pair at 100-token chun
 keys in place from the paged cache, and can start from a cascade's shared-prefix result.
 Long bfloat16 chunks run on the CPU's bfloat16 dot products on AMD CPUs that have them
 (see DOT_MIN_KEY_ELEMENTS); on CPUs with AMX they are left to torch's flash kernel (see
-FLASH_MIN_KEYS_X_DIM2). When it cannot be built (see cpu_build.py), load() returns
+FLASH_MIN_KEYS_X_DIM2). When it cannot be built (see build.py), load() returns
 None and the torch path runs.
 """
 from __future__ import annotations
@@ -17,13 +17,13 @@ from pathlib import Path
 
 import torch
 
-from . import cpu_build
+from . import build
 
-SOURCE = Path(__file__).with_name("prefill_attn_cpu.c")
-MAX_GROUP = 16          # query heads per KV head (prefill_attn_cpu.c: MAX_GROUP)
+SOURCE = Path(__file__).with_name("prefill.c")
+MAX_GROUP = 16          # query heads per KV head (prefill.c: MAX_GROUP)
 MAX_HEAD_DIM = 256
 # bfloat16 chunks with (keys x head_dim) from this on take the AVX512-BF16 micro-kernel
-# where the CPU has it (prefill_attn_cpu.c: DOT_MIN_KEY_ELEMENTS)
+# where the CPU has it (prefill.c: DOT_MIN_KEY_ELEMENTS)
 DOT_MIN_KEY_ELEMENTS = 16384
 # On CPUs with AMX, bfloat16 chunks with keys x head_dim^2 from this on are left to torch's
 # flash kernel. Measured on a 2-core AMX Xeon VM, about 4096 tokens in equal chunks of
@@ -40,7 +40,7 @@ FLASH_MIN_QUERIES = 32
 
 
 class CpuPrefillKernel:
-    """prefill_attn_cpu.c's entry points, with the argument checks that keep it in bounds."""
+    """prefill.c's entry points, with the argument checks that keep it in bounds."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -50,12 +50,12 @@ class CpuPrefillKernel:
         # where they issue twice the multiply-adds of float32 FMAs; on Intel's they were
         # no faster (see the C source)
         self.dot_instructions = bool(lib.prefill_bf16_dot_available())
-        self.bf16_dot = self.dot_instructions and "AuthenticAMD" in cpu_build.cpu_identity()
+        self.bf16_dot = self.dot_instructions and "AuthenticAMD" in build.cpu_identity()
         # On CPUs with AMX, torch's flash kernel runs a long bfloat16 chunk's products on the
         # matrix units and beats both forms here; the caller leaves it the chunks with
         # keys x head_dim^2 at least this (FLASH_MIN_KEYS_X_DIM2), None elsewhere.
-        self.flash_min_keys_x_dim2 = FLASH_MIN_KEYS_X_DIM2 if cpu_build.has_amx() else None
-        self._fns = cpu_build.entry_points(
+        self.flash_min_keys_x_dim2 = FLASH_MIN_KEYS_X_DIM2 if build.has_amx() else None
+        self._fns = build.entry_points(
             lib,
             {torch.float32: "prefill_attn_f32", torch.bfloat16: "prefill_attn_bf16"},
             [p, i64, p, p, p, i64, i64, p, i64, i64, i64, i64, ctypes.c_float,
@@ -150,4 +150,4 @@ class CpuPrefillKernel:
 
 def load() -> CpuPrefillKernel | None:
     """The kernel, built on first use; None when it cannot be built here or is switched off."""
-    return cpu_build.load(SOURCE, CpuPrefillKernel)
+    return build.load(SOURCE, CpuPrefillKernel)

@@ -1,5 +1,5 @@
-"""Rotary embedding plus KV-cache write in one C pass for CPUs (cpu_rope.c), built by
-cpu_build.py and called through ctypes.
+"""Rotary embedding plus KV-cache write in one C pass for CPUs (rope.c), built by
+build.py and called through ctypes.
 
 torch rotates q and k in about five passes and copies k and v into the cache in two more;
 this does it all in one, with torch's rounding (the same bits). It applies to float32 and
@@ -14,15 +14,15 @@ from pathlib import Path
 
 import torch
 
-from . import cpu_build
+from . import build
 
-SOURCE = Path(__file__).with_name("cpu_rope.c")
+SOURCE = Path(__file__).with_name("rope.c")
 
 
 class CpuRope:
     def __init__(self, path: Path):
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._fns = cpu_build.entry_points(
+        self._fns = build.entry_points(
             ctypes.CDLL(str(path)),
             {torch.float32: "rope_write_f32", torch.bfloat16: "rope_write_bf16"},
             [p, i64, p, i64, p, p, p, p, p, p, i64, i64, i64, i64], None)
@@ -76,4 +76,4 @@ class CpuRope:
 
 def load() -> CpuRope | None:
     """The op, built on first use; None when it cannot be built here or is switched off."""
-    return cpu_build.load(SOURCE, CpuRope)
+    return build.load(SOURCE, CpuRope)
