@@ -13,8 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchinfer.attention import AttentionMetadata
-from batchinfer.kernels.cpu import ops as cpu_ops
-from batchinfer.kernels.cpu import rope as cpu_rope
+from batchinfer.kernels import cpu
 from batchinfer.model import cpu_linear
 from batchinfer.model.moe import EXPERT_TENSOR, SparseMoE, mixtral_name, moe_block
 from batchinfer.model.parallel import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
@@ -32,9 +31,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); with residual, (norm(x + residual), x + residual): the residual add
         fused into the norm (residual may be updated in place)."""
-        ops = cpu_ops.for_tensor(x)  # bfloat16/float32 on CPU: one fused pass
-        if ops is not None and (residual is None or ops.handles(residual)):
-            out = self._kernel(ops, x, residual)
+        if cpu.ops.supports(x, residual):  # bfloat16/float32 on CPU: one fused pass
+            out = self._kernel(x, residual)
             return out if residual is None else (out, residual)
         if residual is None:
             return self._norm(x)
@@ -44,14 +42,13 @@ class RMSNorm(nn.Module):
     def forward_(self, x: torch.Tensor) -> torch.Tensor:
         """norm(x) written over x, which may be a view of some heads of a projection's
         output (q or k of a fused qkv): per-head norms without a copy on CPU."""
-        ops = cpu_ops.load() if cpu_ops.CpuOps.row_layout(x) is not None else None
-        if ops is not None:
-            return self._kernel(ops, x, out=x)
+        if cpu.ops.supports_heads(x):
+            return self._kernel(x, out=x)
         return x.copy_(self._norm(x))
 
-    def _kernel(self, ops, x, residual=None, out=None) -> torch.Tensor:
-        """The norm by the CPU kernel (cpu_ops.CpuOps.rms_norm's arguments)."""
-        return ops.rms_norm(x, self.weight, self.eps, residual, out)
+    def _kernel(self, x, residual=None, out=None) -> torch.Tensor:
+        """The norm by the CPU kernel (cpu.ops.rms_norm's arguments)."""
+        return cpu.ops.rms_norm(x, self.weight, self.eps, residual, out)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -64,10 +61,10 @@ class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the stored weight is an offset from 1, and the product is taken in
     float32 before rounding to the model's dtype (Llama rounds first)."""
 
-    def _kernel(self, ops, x, residual=None, out=None) -> torch.Tensor:
+    def _kernel(self, x, residual=None, out=None) -> torch.Tensor:
         # 1 + weight in float32, multiplied before the one rounding (bfloat16)
-        return ops.rms_norm(x, 1.0 + self.weight.float(), self.eps, residual, out,
-                            gemma_order=x.dtype == torch.bfloat16)
+        return cpu.ops.rms_norm(x, 1.0 + self.weight.float(), self.eps, residual, out,
+                                gemma_order=x.dtype == torch.bfloat16)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         out = x.float()
@@ -123,10 +120,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:  # per head, in place (qkv is this call's own)
             self.q_norm.forward_(qk[:, :self.num_heads])
             self.k_norm.forward_(qk[:, self.num_heads:])
-        rope_write = cpu_rope.load() if qk.device.type == "cpu" else None
-        if rope_write is not None and rope_write.handles(qk):
+        if cpu.rope.supports(qk):
             # on CPU: q and k rotated, and k and v written to the cache, in one C pass
-            q = rope_write(qk, v, *rope, meta.slot_mapping, kv_cache[0], kv_cache[1])
+            q = cpu.rope.rotate_and_write(qk, v, *rope, meta.slot_mapping, kv_cache[0],
+                                          kv_cache[1])
             k = v = None  # already in the cache
         else:
             # q and k rotated in one pass; both are views of its output
@@ -168,9 +165,8 @@ class MLP(nn.Module):
             weight = self.gate_up_proj.weight
             half = weight.shape[0] // 2
             gate, up = F.linear(x, weight[:half]), F.linear(x, weight[half:])
-        ops = cpu_ops.for_tensor(gate)
-        if ops is not None:  # in one pass, in place
-            act_mul_ = ops.silu_mul_ if self.act == "silu" else ops.gelu_tanh_mul_
+        if cpu.ops.supports(gate, up):  # in one pass, in place
+            act_mul_ = cpu.ops.silu_mul_ if self.act == "silu" else cpu.ops.gelu_tanh_mul_
             return self.down_proj(act_mul_(gate, up))
         if self.act != "silu":
             return self.down_proj(F.gelu(gate, approximate="tanh").mul_(up))

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchinfer.kernels.cpu import logprobs as cpu_logprobs
+from batchinfer.kernels import cpu
 
 
 @pytest.fixture(scope="module")
 def kernel(built_or_skip):
-    return built_or_skip(cpu_logprobs.load(), "the CPU logprobs kernel")
+    return cpu.logprobs.LogprobsKernel(built_or_skip(cpu.logprobs, "the CPU logprobs kernel"))
 
 
 def reference(logits, k, tokens):

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchinfer.kernels.cpu import sample as cpu_sample
+from batchinfer.kernels import cpu
 
 N = 40_000  # rows per distribution check
 
 
 @pytest.fixture(scope="module")
 def sample(built_or_skip):
-    return built_or_skip(cpu_sample.load(), "the CPU sampler")
+    return cpu.sample.SampleKernel(built_or_skip(cpu.sample, "the CPU sampler"))
 
 
 def exact(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,

@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchinfer.kernels.cpu import shared_prefix as cpu_shared_prefix
+from batchinfer.kernels import cpu
 
 
 @pytest.fixture(scope="module")
 def kernel(built_or_skip):
     """The kernel with bfloat16 on wherever the CPU has the instructions, AMX hosts (which
     leave the work to torch's flash kernel) included."""
-    loaded = built_or_skip(cpu_shared_prefix.load(), "the shared-prefix kernel")
-    kernel = cpu_shared_prefix.CpuSharedPrefixKernel(loaded.path)
+    kernel = cpu.shared_prefix.SharedPrefixKernel(
+        built_or_skip(cpu.shared_prefix, "the shared-prefix kernel"))
     kernel.use_bf16 = kernel.bf16_instructions
     return kernel
 
