@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchinfer.model import cpu_linear
+from batchinfer.model.config import ModelConfig
 from batchinfer.model.parallel import TensorParallel, _check_divisible, _shard
 
 # a checkpoint's per-expert tensor: (block).experts.(e).(projection).weight
@@ -142,23 +143,11 @@ def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def moe_block(config, layer_idx: int) -> SparseMoE | None:
-    """The layer's MoE block, or None where the layer has a dense MLP (Qwen3-MoE's
-    mlp_only_layers and decoder_sparse_step)."""
-    if getattr(config, "moe_intermediate_size", None) is None:
-        if not getattr(config, "num_local_experts", None):
-            return None
-        return SparseMoE(config.hidden_size, config.intermediate_size,  # Mixtral
-                         config.num_local_experts, config.num_experts_per_tok,
-                         normalize=True, weights_in_model_dtype=False)
-    num_experts = getattr(config, "num_experts", 0) or 0
-    step = getattr(config, "decoder_sparse_step", 1) or 1
-    if (num_experts == 0 or layer_idx in (getattr(config, "mlp_only_layers", None) or [])
-            or (layer_idx + 1) % step):
-        return None
-    return SparseMoE(config.hidden_size, config.moe_intermediate_size, num_experts,
-                     config.num_experts_per_tok, normalize=bool(config.norm_topk_prob),
-                     weights_in_model_dtype=True)
+def moe_block(config: ModelConfig) -> SparseMoE:
+    """A layer's MoE block, as config.moe describes it."""
+    moe = config.moe
+    return SparseMoE(config.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k,
+                     moe.normalize, moe.weights_in_model_dtype)
 
 
 # Mixtral's checkpoint names for the block and its projections
