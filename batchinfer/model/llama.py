@@ -3,7 +3,8 @@ Gemma 3) as plain PyTorch.
 
 Tokens are flat ([num_tokens, hidden]) with no padding; attention reads and writes the
 paged KV cache through the step's AttentionMetadata. The architectures' differences are
-fields of the ModelConfig the layers are built from (batchinfer.model.config).
+fields of the ModelConfig the layers are built from (batchinfer.model.config); the
+elementwise operations run the CPU kernels where they apply (batchinfer.model.ops).
 """
 from __future__ import annotations
 
@@ -14,64 +15,37 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchinfer.attention import AttentionMetadata
-from batchinfer.kernels import cpu
-from batchinfer.model import cpu_linear
+from batchinfer.model import cpu_linear, ops
 from batchinfer.model.config import LayerConfig, ModelConfig
 from batchinfer.model.moe import EXPERT_TENSOR, SparseMoE, mixtral_name, moe_block
 from batchinfer.model.parallel import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                                        RowParallelLinear, TensorParallel, VocabParallelEmbedding)
-from batchinfer.model.rope import (RotaryEmbedding, apply_rotary, partial_rotary_order,
-                                   rotary_dim)
+from batchinfer.model.rope import RotaryEmbedding, partial_rotary_order, rotary_dim
 
 
 class RMSNorm(nn.Module):
+    gemma = False
+
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """norm(x); with residual, (norm(x + residual), x + residual): the residual add
-        fused into the norm (residual may be updated in place)."""
-        if cpu.ops.supports(x, residual):  # bfloat16/float32 on CPU: one fused pass
-            out = self._kernel(x, residual)
-            return out if residual is None else (out, residual)
-        if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+        """norm(x); with residual, (norm(x + residual), x + residual), the add fused into
+        the norm (residual may be updated in place)."""
+        return ops.rms_norm(x, self.weight, self.eps, residual, self.gemma)
 
     def forward_(self, x: torch.Tensor) -> torch.Tensor:
         """norm(x) written over x, which may be a view of some heads of a projection's
-        output (q or k of a fused qkv): per-head norms without a copy on CPU."""
-        if cpu.ops.supports_heads(x):
-            return self._kernel(x, out=x)
-        return x.copy_(self._norm(x))
-
-    def _kernel(self, x, residual=None, out=None) -> torch.Tensor:
-        """The norm by the CPU kernel (cpu.ops.rms_norm's arguments)."""
-        return cpu.ops.rms_norm(x, self.weight, self.eps, residual, out)
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        output (q or k of a fused qkv)."""
+        return ops.rms_norm_(x, self.weight, self.eps, self.gemma)
 
 
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the stored weight is an offset from 1, and the product is taken in
     float32 before rounding to the model's dtype (Llama rounds first)."""
-
-    def _kernel(self, x, residual=None, out=None) -> torch.Tensor:
-        # 1 + weight in float32, multiplied before the one rounding (bfloat16)
-        return cpu.ops.rms_norm(x, 1.0 + self.weight.float(), self.eps, residual, out,
-                                gemma_order=x.dtype == torch.bfloat16)
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        out = x.float()
-        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * (1.0 + self.weight.float())).to(x.dtype)
+    gemma = True
 
 
 def norm_class(config: ModelConfig) -> type[RMSNorm]:
@@ -126,15 +100,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:  # per head, in place (qkv is this call's own)
             self.q_norm.forward_(qk[:, :self.num_heads])
             self.k_norm.forward_(qk[:, self.num_heads:])
-        if cpu.rope.supports(qk):
-            # on CPU: q and k rotated, and k and v written to the cache, in one C pass
-            q = cpu.rope.rotate_and_write(qk, v, *rope, meta.slot_mapping, kv_cache[0],
-                                          kv_cache[1])
-            k = v = None  # already in the cache
-        else:
-            # q and k rotated in one pass; both are views of its output
-            qk = apply_rotary(qk, *rope)
-            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        # k and v come back None where they were written to the cache with the rotation
+        q, k, v = ops.rope_and_cache(qk, v, *rope, self.num_heads, meta.slot_mapping, kv_cache)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
                                    self.sliding_window)
         return self.o_proj(out.reshape(-1, self.q_size))
@@ -170,12 +137,7 @@ class MLP(nn.Module):
             weight = self.gate_up_proj.weight
             half = weight.shape[0] // 2
             gate, up = F.linear(x, weight[:half]), F.linear(x, weight[half:])
-        if cpu.ops.supports(gate, up):  # in one pass, in place
-            act_mul_ = cpu.ops.silu_mul_ if self.act == "silu" else cpu.ops.gelu_tanh_mul_
-            return self.down_proj(act_mul_(gate, up))
-        if self.act != "silu":
-            return self.down_proj(F.gelu(gate, approximate="tanh").mul_(up))
-        return self.down_proj(F.silu(gate).mul_(up))
+        return self.down_proj(ops.act_mul_(gate, up, self.act))
 
 
 class DecoderLayer(nn.Module):
