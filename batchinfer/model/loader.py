@@ -16,10 +16,8 @@ from batchinfer.model.llama import CausalLM, GemmaRMSNorm
 
 
 def resolve_model_path(model: str) -> Path:
-    """A local directory, "demo" (the built-in random model), or a hub id from the cache."""
-    if model == "demo":
-        from batchinfer.demo import demo_model_path
-        return demo_model_path()
+    """A local directory, or a hub id from the cache. (The built-in "demo" model is found
+    by the callers that offer it: batchinfer.demo.resolve_model.)"""
     return _resolve(model, "model", ("config.json",))
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from batchinfer.model.config import LayerConfig, MoEConfig, ModelConfig
-from batchinfer.model.random_checkpoint import SHAPES, make_config
+from batchinfer.random_checkpoint import SHAPES, make_config
 
 TEST_SHAPES = [name for name in SHAPES if name.startswith("test-")]
 
