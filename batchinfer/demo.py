@@ -13,6 +13,7 @@ from pathlib import Path
 
 from batchinfer.paths import cache_root
 
+DEMO_MODEL = "demo"  # the model name that selects it
 DEMO_NOTICE = ("The built-in demo model has random weights: its output text is meaningless "
                "and only shows that the pipeline works.")
 DEMO_NAME = "demo-v1"
@@ -24,6 +25,12 @@ logger = logging.getLogger(__name__)
 
 def _is_complete(path: Path) -> bool:
     return (path / "config.json").is_file()
+
+
+def resolve_model(model: str) -> str:
+    """The model to load: the demo checkpoint's directory for "demo" (built first if it is
+    not cached yet), any other name as given."""
+    return str(demo_model_path()) if model == DEMO_MODEL else model
 
 
 def demo_model_path() -> Path:
@@ -44,7 +51,7 @@ def demo_model_path() -> Path:
     try:
         logger.info("building the demo model in %s", final)
         # transformers' model classes, which building needs, cost a second to import
-        from batchinfer.model.random_checkpoint import build_random_checkpoint
+        from batchinfer.random_checkpoint import build_random_checkpoint
         build_random_checkpoint(staging, DEMO_SHAPE, seed=DEMO_SEED)
         staging.chmod(0o755)  # mkdtemp makes it private; the cache entry is a plain directory
         try:

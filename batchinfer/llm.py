@@ -6,6 +6,7 @@ import numbers
 
 from tqdm.auto import tqdm
 
+from batchinfer.demo import resolve_model
 from batchinfer.engine.engine import LLMEngine
 from batchinfer.engine.gc_freeze import startup_heap_frozen
 from batchinfer.outputs import RequestOutput
@@ -13,10 +14,11 @@ from batchinfer.sampling_params import SamplingParams
 
 
 class LLM:
-    """LLM(model=..., dtype=..., block_size=..., ...) with the fields of EngineConfig."""
+    """LLM(model=..., dtype=..., block_size=..., ...) with the fields of EngineConfig;
+    model="demo" runs the built-in random-weight demo model."""
 
     def __init__(self, model: str, **kwargs):
-        self.llm_engine = LLMEngine.from_kwargs(model, **kwargs)
+        self.llm_engine = LLMEngine.from_kwargs(resolve_model(model), **kwargs)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

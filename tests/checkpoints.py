@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from batchinfer.model.random_checkpoint import build_random_checkpoint, default_corpus
+from batchinfer.random_checkpoint import build_random_checkpoint, default_corpus
 
 # Fixture name -> build_random_checkpoint arguments. The llama variants share shape and
 # seed, so they hold identical weights and must give identical outputs.

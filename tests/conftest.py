@@ -25,9 +25,11 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-# Test files share helpers with `import checkpoints` (pytest runs with importlib mode,
-# which does not put this directory on sys.path).
+# Test files share helpers with `import checkpoints`, and the attention kernels' plain
+# PyTorch reference with `import reference` (tests/kernels/reference.py): pytest runs with
+# importlib mode, which does not put these directories on sys.path.
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(1, str(Path(__file__).parent / "kernels"))
 
 import checkpoints  # noqa: E402
 

@@ -7,9 +7,9 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import batchinfer.demo as demo
-import batchinfer.model.random_checkpoint as random_checkpoint
+import batchinfer.random_checkpoint as random_checkpoint
 import checkpoints
-from batchinfer.model.random_checkpoint import (
+from batchinfer.random_checkpoint import (
     MIN_VOCAB_SIZE,
     SHAPES,
     build_random_checkpoint,
@@ -292,8 +292,9 @@ def test_a_cached_demo_model_loads_without_transformers_model_classes(demo_dir):
     """Only building the demo model needs them (a second of imports on every start)."""
     import subprocess
     import sys
-    code = ("import sys; from batchinfer.model.loader import resolve_model_path; "
-            "print(resolve_model_path('demo')); "
+    code = ("import sys; from batchinfer.demo import resolve_model; "
+            "from batchinfer.model.loader import resolve_model_path; "
+            "print(resolve_model_path(resolve_model('demo'))); "
             "print('transformers.models.auto.modeling_auto' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True)

@@ -2,9 +2,9 @@
 
 Once per step (not per layer) it turns block tables into gather indices and masks; per
 layer it writes the new K/V into the cache, gathers each sequence's context and runs SDPA.
-Decodes on CPU go to a C kernel that reads the blocks in place (kernels/cpu_decode.py)
+Decodes on CPU go to a C kernel that reads the blocks in place (kernels/cpu/decode.py)
 where it can be built, and so do prefill chunks of sequences no longer than the sliding
-window, if any (kernels/cpu_prefill.py), all of a step's chunks in one call (but for long
+window, if any (kernels/cpu/prefill.py), all of a step's chunks in one call (but for long
 bfloat16 ones on CPUs with AMX, which torch's flash kernel runs faster). Otherwise decodes
 are batched in a few groups of similar length (the runner sorts them) with the query heads
 of each KV head folded into the query axis, so GQA needs no K/V expansion, and prefill
@@ -13,7 +13,7 @@ chunks run one flash call each (under a window, one per run of `window` queries)
 Cascade: when sequences share leading blocks (a common system prompt) that lie wholly
 before all of their queries, those blocks are attended once for the whole batch — one
 dense product of every query row against the shared K/V (on CPU a C kernel where it
-applies: kernels/cpu_shared_prefix.py) — and only each sequence's own tail is gathered. The
+applies: kernels/cpu/shared_prefix.py) — and only each sequence's own tail is gathered. The
 two partial results are merged by their log-sum-exp (the C decode kernels take the shared
 result as their starting point and merge as they go). That removes the shared part from
 every per-sequence copy, which on CPU is most of the cost.
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from batchinfer.kernels import cpu_decode, cpu_prefill, cpu_shared_prefix
+from batchinfer.kernels import cpu
 
 from .metadata import AttentionMetadata
 
@@ -115,16 +115,10 @@ class TorchAttention:
         self._buffers: dict[str, torch.Tensor] = {}
         self._use_cpu_kernel = use_cpu_kernel
 
-    def _cpu_kernel(self, module, query: torch.Tensor, num_kv_heads: int):
-        """module's C kernel (cpu_decode, cpu_prefill or cpu_shared_prefix; built on first use)
-        when it applies to this device, dtype and head shape."""
-        if not self._use_cpu_kernel or query.device.type != "cpu":
-            return None
-        kernel = module.load()
-        if kernel is None or not kernel.supports(query.dtype, query.shape[1], num_kv_heads,
-                                                 query.shape[2]):
-            return None
-        return kernel
+    def _uses(self, kernel, query: torch.Tensor, num_kv_heads: int) -> bool:
+        """Whether a C kernel (cpu.decode, cpu.prefill or cpu.shared_prefix; built on first
+        use) runs: allowed here, and it applies to this device, dtype and head shape."""
+        return self._use_cpu_kernel and kernel.supports(query, num_kv_heads)
 
     def _scratch(self, name: str, rows: int, like: torch.Tensor) -> torch.Tensor:
         """A reused [rows, Hkv, D] buffer for gathered K or V: gathering into memory that
@@ -167,14 +161,13 @@ class TorchAttention:
         return best, matched < best
 
     def _plan(self, meta: AttentionMetadata, window: int | None, dtype: torch.dtype,
-              head_dim: int, decode_kernel: bool,
-              prefill_kernel: cpu_prefill.CpuPrefillKernel | None) -> _StepPlan:
+              head_dim: int, decode_kernel: bool, prefill_kernel: bool) -> _StepPlan:
         """Built on the host with numpy (small arrays: torch's per-op cost would dominate),
         then moved to the device once. With decode_kernel, decodes get key ranges for the C
         kernel instead of gather indices and masks; with prefill_kernel, prefill chunks get
         one row each for the C kernel, but for those it leaves to flash: sequences longer
-        than the window, and see cpu_prefill.FLASH_MIN_KEYS_X_DIM2."""
-        key = ("plan", window, dtype, head_dim, decode_kernel, prefill_kernel is not None)
+        than the window, and see cpu.prefill.FLASH_MIN_KEYS_X_DIM2."""
+        key = ("plan", window, dtype, head_dim, decode_kernel, prefill_kernel)
         if key in meta.cache:
             return meta.cache[key]
         bs, nd, n = meta.block_size, meta.num_decode_seqs, meta.num_seqs
@@ -219,11 +212,11 @@ class TorchAttention:
             rows = np.arange(nd, n)
             starts, ends = np.asarray(qsl[nd:n]), np.asarray(qsl[nd + 1:n + 1])
             own_keys = lens[nd:n] - own_start[nd:n]
-            flash_min = prefill_kernel.flash_min_keys_x_dim2
+            flash_min = cpu.prefill.flash_min_keys_x_dim2()
             to_flash = windowed[nd:n].copy()
             if flash_min is not None and dtype == torch.bfloat16:
                 to_flash |= ((own_keys * head_dim ** 2 >= flash_min)
-                             & (ends - starts >= cpu_prefill.FLASH_MIN_QUERIES))
+                             & (ends - starts >= cpu.prefill.FLASH_MIN_QUERIES))
             torch_rows = rows[to_flash].tolist()
             if not to_flash.all():
                 keep = ~to_flash
@@ -283,9 +276,9 @@ class TorchAttention:
         group = num_heads // num_kv_heads
         k_flat = k_cache.view(-1, num_kv_heads, head_dim)
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-        kernel = self._cpu_kernel(cpu_decode, query, num_kv_heads)
-        prefill_kernel = self._cpu_kernel(cpu_prefill, query, num_kv_heads) if kernel else None
-        plan = self._plan(meta, sliding_window, query.dtype, head_dim, kernel is not None,
+        decode_kernel = self._uses(cpu.decode, query, num_kv_heads)
+        prefill_kernel = decode_kernel and self._uses(cpu.prefill, query, num_kv_heads)
+        plan = self._plan(meta, sliding_window, query.dtype, head_dim, decode_kernel,
                           prefill_kernel)
         cascade = plan.shared_slots is not None
 
@@ -312,10 +305,8 @@ class TorchAttention:
             # shared part: every query row of the batch in one product against the shared K/V
             ks = k_flat.index_select(0, plan.shared_slots).to(query.dtype)
             vs = v_flat.index_select(0, plan.shared_slots).to(query.dtype)
-            shared_kernel = self._cpu_kernel(cpu_shared_prefix, query, num_kv_heads)
-            if shared_kernel is not None and query.stride(2) == 1 \
-                    and query.stride(1) == head_dim:
-                shared, shared_lse = shared_kernel(query, ks, vs, scale)
+            if self._uses(cpu.shared_prefix, query, num_kv_heads):
+                shared, shared_lse = cpu.shared_prefix.attention(query, ks, vs, scale)
             else:
                 qs = q.permute(1, 0, 2, 3).reshape(1, num_kv_heads, num_tokens * group,
                                                    head_dim)
@@ -333,8 +324,8 @@ class TorchAttention:
             nd = lo.numel()
             # the kernel starts from the shared part's result, read where it lies, and merges it
             init = (shared[:nd], shared_lse[:nd]) if cascade else None
-            kernel(query[:nd], k_cache, v_cache, meta.block_tables, lo, hi, scale,
-                   out_heads[:nd], None, init)
+            cpu.decode.attention(query[:nd], k_cache, v_cache, meta.block_tables, lo, hi, scale,
+                                 out_heads[:nd], None, init)
             merged = nd
         for a, b, slots, width, mask in plan.decode_groups:
             k, v = gather(slots, (b - a, width))
@@ -343,9 +334,10 @@ class TorchAttention:
             if cascade:
                 lse[a:b] = l
         if plan.prefill_chunks is not None:  # follows the decodes: merged == nd here
-            prefill_kernel(query, k_cache, v_cache, meta.block_tables, plan.prefill_chunks,
-                           scale, out_heads, None, (shared, shared_lse) if cascade else None)
-        if prefill_kernel is not None:
+            cpu.prefill.attention(query, k_cache, v_cache, meta.block_tables,
+                                  plan.prefill_chunks, scale, out_heads, None,
+                                  (shared, shared_lse) if cascade else None)
+        if prefill_kernel:
             merged = num_tokens  # but for any chunks left to flash, merged one by one below
         # prefill chunks: their keys gathered a group at a time, then one call each, all
         # query heads against the KV heads (no copy of the queries: [1, heads, tokens, D]

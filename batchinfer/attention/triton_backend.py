@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from batchinfer.kernels.decode_attention import paged_decode_attention
-from batchinfer.kernels.kv_write import write_kv
-from batchinfer.kernels.prefill_attention import paged_prefill_attention
+from batchinfer.kernels.triton.decode import paged_decode_attention
+from batchinfer.kernels.triton.kv_write import write_kv
+from batchinfer.kernels.triton.prefill import paged_prefill_attention
 
 from .metadata import AttentionMetadata
 

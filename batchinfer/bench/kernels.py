@@ -77,7 +77,7 @@ def _dense_kv(cache: torch.Tensor, block_tables: torch.Tensor, context: int) -> 
 
 def _bench_decode(batch, context, heads, kv_heads, head_dim, block_size, dtype, device,
                   copy_bw) -> KernelResult:
-    from batchinfer.kernels.decode_attention import (choose_num_splits, sm_count,
+    from batchinfer.kernels.triton.decode import (choose_num_splits, sm_count,
                                                      paged_decode_attention)
     k_cache, v_cache, tables, seq_lens = _paged_cache(batch, context, block_size, kv_heads,
                                                       head_dim, dtype, device)
@@ -101,7 +101,7 @@ def _bench_decode(batch, context, heads, kv_heads, head_dim, block_size, dtype, 
 
 def _bench_prefill(batch, context, heads, kv_heads, head_dim, block_size, dtype, device,
                    copy_bw) -> KernelResult:
-    from batchinfer.kernels.prefill_attention import paged_prefill_attention
+    from batchinfer.kernels.triton.prefill import paged_prefill_attention
     k_cache, v_cache, tables, seq_lens = _paged_cache(batch, context, block_size, kv_heads,
                                                       head_dim, dtype, device)
     qsl_cpu = [i * context for i in range(batch + 1)]
@@ -129,7 +129,7 @@ def _bench_prefill(batch, context, heads, kv_heads, head_dim, block_size, dtype,
 
 def _bench_kv_write(num_tokens, kv_heads, head_dim, block_size, dtype, device,
                     copy_bw) -> KernelResult:
-    from batchinfer.kernels.kv_write import write_kv
+    from batchinfer.kernels.triton.kv_write import write_kv
     num_blocks = math.ceil(num_tokens / block_size) * 2
     shape = (num_blocks, block_size, kv_heads, head_dim)
     k_cache = torch.zeros(shape, dtype=dtype, device=device)

@@ -1,6 +1,6 @@
 """What --model names: a checkpoint directory, or a named random-weight shape.
 
-A named shape (batchinfer.model.random_checkpoint.SHAPES) becomes a config + tokenizer
+A named shape (batchinfer.random_checkpoint.SHAPES) becomes a config + tokenizer
 directory in the cache dir, built once. The engine then initialises random weights itself
 (load_format="dummy"), unless the transformers baseline needs the very same weights: then
 small shapes get real random safetensors that both systems load.
@@ -36,7 +36,7 @@ def default_cache_dir() -> Path:
 
 
 def shape_names() -> list[str]:
-    from batchinfer.model.random_checkpoint import SHAPES
+    from batchinfer.random_checkpoint import SHAPES
     return list(SHAPES)
 
 
@@ -44,7 +44,7 @@ def _build_once(target: Path, shape: str, weights: bool, num_hidden_layers: int 
     """Build a checkpoint directory atomically: concurrent runs never see a half-written one."""
     if (target / "config.json").is_file():
         return
-    from batchinfer.model.random_checkpoint import build_random_checkpoint
+    from batchinfer.random_checkpoint import build_random_checkpoint
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:

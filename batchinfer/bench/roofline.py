@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from batchinfer.model import cpu_linear
+from batchinfer.model.config import ModelConfig
 
 # Dense (no sparsity) peaks per device name fragment: (bf16/fp16 FLOP/s, fp32 FLOP/s, bytes/s).
 # Checked in order, so a name that contains another comes first (GH200 before H200, L40S
@@ -57,7 +58,7 @@ def device_peak(device: torch.device, dtype: torch.dtype,
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The dimensions that set per-token work, from a transformers config."""
+    """The dimensions that set per-token work, from the model's config."""
 
     num_layers: int
     hidden_size: int
@@ -68,18 +69,12 @@ class ModelShape:
     vocab_size: int
 
     @classmethod
-    def from_config(cls, config) -> "ModelShape":
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    def from_config(cls, config: ModelConfig) -> "ModelShape":
         mlp_width = config.intermediate_size
-        if getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None):
-            # mixture of experts: the experts a token runs through (Mixtral's experts are
-            # intermediate_size wide, Qwen3-MoE's moe_intermediate_size)
-            expert = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
-            mlp_width = config.num_experts_per_tok * expert
-        return cls(config.num_hidden_layers, config.hidden_size, heads,
-                   getattr(config, "num_key_value_heads", None) or heads, head_dim,
-                   mlp_width, config.vocab_size)
+        if config.moe is not None:  # mixture of experts: the experts a token runs through
+            mlp_width = config.moe.top_k * config.moe.intermediate_size
+        return cls(config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
+                   config.num_key_value_heads, config.head_dim, mlp_width, config.vocab_size)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes

@@ -91,7 +91,7 @@ def _run_ours(source: ModelSource, opts: dict, enable_prefix_caching: bool,
         model = engine.model_runner.model
         param = next(model.parameters())
         shape = ModelShape.from_config(engine.model_config)
-        tied = bool(getattr(engine.model_config, "tie_word_embeddings", False))
+        tied = engine.model_config.tie_word_embeddings
         facts = {"requests": requests, "workload": workload_name, "dtype": param.dtype,
                  "device": param.device, "shape": shape,
                  "max_model_len": engine.max_model_len}

@@ -19,10 +19,9 @@ from batchinfer.engine.request import Request, RequestStatus
 from batchinfer.engine.scheduler import Scheduler, SchedulerOutput
 from batchinfer.engine.tensor_parallel import (RunnerArgs, TensorParallelGroup, WorkerError,
                                                 check_divisible)
-from batchinfer.model.loader import (architecture, language_model_config, resolve_model_path,
-                                     resolve_tokenizer_path)
+from batchinfer.model.config import ModelConfig
+from batchinfer.model.loader import resolve_model_path, resolve_tokenizer_path
 from batchinfer.model.parallel import TensorParallel
-from batchinfer.model.rope import short_context_limit
 from batchinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from batchinfer.sampling_params import SamplingParams
 
@@ -35,9 +34,8 @@ class LLMEngine:
         from transformers import AutoConfig, AutoTokenizer
         self.config = config
         path = resolve_model_path(config.model)
-        self.model_config = language_model_config(
+        self.model_config = ModelConfig.from_hf(
             AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code))
-        architecture(self.model_config)
         tokenizer_path = resolve_tokenizer_path(config.tokenizer) if config.tokenizer else path
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path,
                                                        trust_remote_code=config.trust_remote_code)
@@ -51,7 +49,7 @@ class LLMEngine:
                 raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
                                  f"max_position_embeddings ({max_len})")
             max_len = config.max_model_len
-        short = short_context_limit(self.model_config)
+        short = self.model_config.short_context_limit
         if short is not None and max_len > short:
             if config.max_model_len is not None:
                 raise ValueError(f"max_model_len {config.max_model_len} exceeds {short}: this "
@@ -371,14 +369,14 @@ class LLMEngine:
                                 continue_final_message=continue_final_message)
 
 
-def _eos_token_ids(path, hf_config, tokenizer) -> frozenset[int]:
+def _eos_token_ids(path, model_config: ModelConfig, tokenizer) -> frozenset[int]:
     ids: set[int] = set()
     try:
         from transformers import GenerationConfig
         gen = GenerationConfig.from_pretrained(path)
         eos = gen.eos_token_id
     except (OSError, ValueError):
-        eos = getattr(hf_config, "eos_token_id", None)
+        eos = model_config.eos_token_id
     if eos is not None:
         ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
     if tokenizer.eos_token_id is not None:
@@ -386,10 +384,10 @@ def _eos_token_ids(path, hf_config, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
-def _resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
+def _resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
     if name != "auto":
         return DTYPES[name]
-    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    dtype = model_config.dtype
     if isinstance(dtype, str):
         dtype = DTYPES.get(dtype, torch.float32)
     if dtype not in DTYPES.values():

@@ -18,6 +18,7 @@ from batchinfer.engine.regex_guide import RegexMatcher
 from batchinfer.engine.sampler import Sampler, SamplingBatch, logprobs
 from batchinfer.engine.scheduler import SchedulerOutput
 from batchinfer.model import cpu_linear
+from batchinfer.model.config import ModelConfig
 from batchinfer.model.loader import load_model
 from batchinfer.model.parallel import TensorParallel
 from batchinfer.sampling_params import SamplingParams
@@ -95,9 +96,9 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, hf_config, model_path, device: torch.device,
-                 dtype: torch.dtype, max_model_len: int, eos_token_ids: frozenset[int],
-                 plan_sink=None):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path,
+                 device: torch.device, dtype: torch.dtype, max_model_len: int,
+                 eos_token_ids: frozenset[int], plan_sink=None):
         self.config = config
         # tensor parallelism, on rank 0: hands each plan to the other ranks before running it
         self.plan_sink = plan_sink
@@ -111,7 +112,7 @@ class ModelRunner:
             # Triton launches, graph capture and synchronize() use the current device
             torch.cuda.set_device(device)
         self.backend = get_attention_backend(config.attention_backend, device)
-        self.model = load_model(model_path, hf_config, self.backend, dtype, device,
+        self.model = load_model(model_path, model_config, self.backend, dtype, device,
                                 config.load_format, config.allow_pickle_weights, config.seed)
         if device.type == "cpu":
             # decode steps multiply about max_num_seqs rows

@@ -6,8 +6,8 @@ greedy rows take argmax -> temperature -> min_p / top_k / top_p -> sample. Sampl
 exponential noise per row (argmax(p / q) is a sample from p); a seeded request draws its
 noise from its own generator, so its output does not depend on what shares the batch.
 On CPU a C kernel does temperature, the filters and the draw in a few passes per row with
-no sort (kernels/cpu_sample.py), from one seed per row drawn the same way, and another the
-logprobs without writing the whole log-softmax (kernels/cpu_logprobs.py).
+no sort (kernels/cpu/sample.py), from one seed per row drawn the same way, and another the
+logprobs without writing the whole log-softmax (kernels/cpu/logprobs.py).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchinfer.kernels import cpu_logprobs, cpu_ops, cpu_sample
+from batchinfer.kernels import cpu
 
 _SEED_BOUND = 2 ** 62  # per-row seeds for the CPU kernel are drawn below this
 
@@ -84,9 +84,8 @@ class Sampler:
         if device.type != "cpu" or not batch.draws_only_but_logprobs:
             return False
         k = batch.max_num_logprobs
-        logprobs_kernel = cpu_logprobs.load() if k is not None else None
-        return ((batch.all_greedy or cpu_sample.load() is not None)
-                and (k is None or (logprobs_kernel is not None and k <= logprobs_kernel.max_k)))
+        return ((batch.all_greedy or cpu.sample.available())
+                and (k is None or (cpu.logprobs.available() and k <= cpu.logprobs.max_k())))
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         raw = logits  # logprobs are of the logits as the model gave them (never modified here)
@@ -111,12 +110,9 @@ class Sampler:
         temperature = batch.temperature
         greedy_rows = temperature < 1e-5
         greedy_tokens = greedy_argmax(logits)
-        kernel = cpu_sample.load() if (logits.device.type == "cpu"
-                                       and logits.dtype in (torch.float32, torch.bfloat16)
-                                       and logits.dim() == 2 and logits.stride(1) == 1) else None
-        if kernel is not None:
+        if cpu.sample.supports(logits):
             try:
-                tokens = kernel(logits, *self._kernel_params(logits.shape[0], batch))
+                tokens = cpu.sample.sample(logits, *self._kernel_params(logits.shape[0], batch))
                 return torch.where(greedy_rows | (tokens < 0), greedy_tokens, tokens)
             except MemoryError:  # no scratch for a row's weights: torch's way below
                 pass
@@ -136,7 +132,7 @@ class Sampler:
         return torch.where(greedy_rows, greedy_tokens, sampled)
 
     def _kernel_params(self, rows: int, batch: SamplingBatch) -> tuple[torch.Tensor, ...]:
-        """cpu_sample's per-row temperature (0 for greedy rows: the kernel leaves them to
+        """cpu.sample's per-row temperature (0 for greedy rows: the kernel leaves them to
         argmax), top_k, top_p, min_p, and a seed from the row's generator (the engine's
         unless seeded)."""
         def per_row(value: torch.Tensor | None, off: float, dtype: torch.dtype) -> torch.Tensor:
@@ -183,10 +179,9 @@ def logprobs(logits: torch.Tensor, k: int, tokens: torch.Tensor
     tokens' own, ranks of tokens [N], 1 = largest) of logits [N, V]. On CPU the C kernel's
     where it applies; a row it leaves (no finite maximum) and every other case in torch,
     on float32."""
-    kernel = cpu_logprobs.load() if logits.device.type == "cpu" else None
-    if kernel is None or not kernel.supports(logits, k):
+    if not cpu.logprobs.supports(logits, k):
         return _torch_logprobs(logits, k, tokens)
-    ids, values, ranks, bad = kernel(logits, k, tokens.to(torch.int64).contiguous())
+    ids, values, ranks, bad = cpu.logprobs.logprobs(logits, k, tokens.to(torch.int64).contiguous())
     if bad.any():
         rows = bad.nonzero().squeeze(1)
         ids[rows], values[rows], ranks[rows] = _torch_logprobs(logits[rows], k, tokens[rows])
@@ -222,7 +217,7 @@ _ARGMAX_CHUNK = 128
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """Row-wise argmax (first index of the maximum, as torch.argmax) of [N, V] logits.
 
-    On CPU the C ops (kernels/cpu_ops.c) do it in one pass where they can be built.
+    On CPU the C ops (kernels/cpu/ops.c) do it in one pass where they can be built.
     Otherwise: torch's reduction that also tracks indices is several times slower than one
     that only finds the value, so this takes the maximum of each 128-wide chunk (value
     only), picks each row's first chunk holding the row maximum, and searches only that
@@ -231,10 +226,8 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     n, vocab = logits.shape
     if logits.device.type != "cpu":
         return logits.argmax(dim=-1)
-    if logits.dtype in (torch.bfloat16, torch.float32) and logits.stride(-1) == 1:
-        ops = cpu_ops.load()  # one C pass (bfloat16 logits need no float32 copy)
-        if ops is not None:
-            return ops.argmax(logits)
+    if cpu.ops.supports_argmax(logits):  # one C pass (bfloat16 logits need no float32 copy)
+        return cpu.ops.argmax(logits)
     if logits.dtype != torch.float32:  # torch's reductions in 16-bit types are slow on CPU
         logits = logits.float()
     if vocab < 8 * _ARGMAX_CHUNK or not logits.is_contiguous():

@@ -28,12 +28,12 @@ import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from batchinfer.config import EngineConfig
+from batchinfer.model.config import ModelConfig
 from batchinfer.model.parallel import TensorParallel
 
 STARTUP_TIMEOUT_S = 600.0       # for every worker to start and import torch
@@ -52,7 +52,7 @@ class WorkerError(RuntimeError):
 class RunnerArgs:
     """What a worker needs to build the same ModelRunner as rank 0 (for its own rank)."""
     config: EngineConfig
-    hf_config: Any
+    model_config: ModelConfig
     model_path: Path
     device: torch.device        # rank 0's
     dtype: torch.dtype
@@ -60,11 +60,14 @@ class RunnerArgs:
     eos_token_ids: frozenset[int]
 
 
-def check_divisible(hf_config, size: int) -> None:
+def check_divisible(config: ModelConfig, size: int) -> None:
     """A clear error before any process starts when the model cannot be split size ways."""
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size",
-                 "moe_intermediate_size"):
-        n = getattr(hf_config, name, None) or getattr(hf_config, "num_attention_heads")
+    sizes = {"num_attention_heads": config.num_attention_heads,
+             "num_key_value_heads": config.num_key_value_heads,
+             "intermediate_size": config.intermediate_size}
+    if config.moe is not None:
+        sizes["moe_intermediate_size"] = config.moe.intermediate_size
+    for name, n in sizes.items():
         if n % size:
             raise ValueError(f"tensor_parallel_size {size} does not divide the model's {name} "
                              f"({n}); use a divisor of it")
@@ -130,7 +133,7 @@ def _worker_main(rank: int, size: int, init_file: str, args: RunnerArgs, threads
             torch.cuda.set_device(device)
         reports.put(("joining", rank, ""))
         _join(rank, size, init_file, args.device)
-        runner = ModelRunner(args.config, args.hf_config, args.model_path, device, args.dtype,
+        runner = ModelRunner(args.config, args.model_config, args.model_path, device, args.dtype,
                              args.max_model_len, args.eos_token_ids)
         reports.put(("built", rank, ""))
         while True:

@@ -68,15 +68,17 @@ EngineFactory = Callable[[str, dict[str, Any]], Engine]
 
 
 def load_engine(model: str, kwargs: dict[str, Any]) -> Engine:
+    from batchinfer.demo import resolve_model
     from batchinfer.engine.engine import LLMEngine
-    return LLMEngine.from_kwargs(model, **kwargs)
+    return LLMEngine.from_kwargs(resolve_model(model), **kwargs)
 
 
 def check_model(model: str, tokenizer: str | None) -> None:
     """Fail fast (before any input is read) when the model or tokenizer cannot be found."""
+    from batchinfer.demo import resolve_model
     from batchinfer.model.loader import resolve_model_path, resolve_tokenizer_path
     try:
-        resolve_model_path(model)
+        resolve_model_path(resolve_model(model))
     except FileNotFoundError as e:
         raise JobError(f"--model: {e}") from None
     try:

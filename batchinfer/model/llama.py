@@ -2,7 +2,9 @@
 Gemma 3) as plain PyTorch.
 
 Tokens are flat ([num_tokens, hidden]) with no padding; attention reads and writes the
-paged KV cache through the step's AttentionMetadata.
+paged KV cache through the step's AttentionMetadata. The architectures' differences are
+fields of the ModelConfig the layers are built from (batchinfer.model.config); the
+elementwise operations run the CPU kernels where they apply (batchinfer.model.ops).
 """
 from __future__ import annotations
 
@@ -13,87 +15,63 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchinfer.attention import AttentionMetadata
-from batchinfer.kernels import cpu_ops, cpu_rope
-from batchinfer.model import cpu_linear
+from batchinfer.model import cpu_linear, ops
+from batchinfer.model.config import LayerConfig, ModelConfig
 from batchinfer.model.moe import EXPERT_TENSOR, SparseMoE, mixtral_name, moe_block
 from batchinfer.model.parallel import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                                        RowParallelLinear, TensorParallel, VocabParallelEmbedding)
-from batchinfer.model.rope import (RotaryEmbedding, apply_rotary, partial_rotary_order,
-                                   rope_parameters, rotary_dim)
+from batchinfer.model.rope import RotaryEmbedding, partial_rotary_order, rotary_dim
 
 
 class RMSNorm(nn.Module):
+    gemma = False
+
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """norm(x); with residual, (norm(x + residual), x + residual): the residual add
-        fused into the norm (residual may be updated in place)."""
-        ops = cpu_ops.for_tensor(x)  # bfloat16/float32 on CPU: one fused pass
-        if ops is not None and (residual is None or ops.handles(residual)):
-            out = self._kernel(ops, x, residual)
-            return out if residual is None else (out, residual)
-        if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+        """norm(x); with residual, (norm(x + residual), x + residual), the add fused into
+        the norm (residual may be updated in place)."""
+        return ops.rms_norm(x, self.weight, self.eps, residual, self.gemma)
 
     def forward_(self, x: torch.Tensor) -> torch.Tensor:
         """norm(x) written over x, which may be a view of some heads of a projection's
-        output (q or k of a fused qkv): per-head norms without a copy on CPU."""
-        ops = cpu_ops.load() if cpu_ops.CpuOps.row_layout(x) is not None else None
-        if ops is not None:
-            return self._kernel(ops, x, out=x)
-        return x.copy_(self._norm(x))
-
-    def _kernel(self, ops, x, residual=None, out=None) -> torch.Tensor:
-        """The norm by the CPU kernel (cpu_ops.CpuOps.rms_norm's arguments)."""
-        return ops.rms_norm(x, self.weight, self.eps, residual, out)
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        output (q or k of a fused qkv)."""
+        return ops.rms_norm_(x, self.weight, self.eps, self.gemma)
 
 
 class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the stored weight is an offset from 1, and the product is taken in
     float32 before rounding to the model's dtype (Llama rounds first)."""
+    gemma = True
 
-    def _kernel(self, ops, x, residual=None, out=None) -> torch.Tensor:
-        # 1 + weight in float32, multiplied before the one rounding (bfloat16)
-        return ops.rms_norm(x, 1.0 + self.weight.float(), self.eps, residual, out,
-                            gemma_order=x.dtype == torch.bfloat16)
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        out = x.float()
-        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * (1.0 + self.weight.float())).to(x.dtype)
+def norm_class(config: ModelConfig) -> type[RMSNorm]:
+    return GemmaRMSNorm if config.gemma_norms else RMSNorm
 
 
 class Attention(nn.Module):
-    def __init__(self, config, layer_idx: int, arch: "ArchSpec", backend, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, layer: LayerConfig, backend):
         super().__init__()
         tp = TensorParallel.size
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = config.head_dim
         self.num_heads = config.num_attention_heads // tp
         self.num_kv_heads = config.num_key_value_heads // tp
-        self.scale = (getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
-        bias = arch.qkv_bias or getattr(config, "attention_bias", False)
+        self.scale = config.attention_scale
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim,
-                                          config.num_attention_heads, config.num_key_value_heads, bias)
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
-                                        bias=getattr(config, "attention_bias", False) and not arch.qkv_bias)
-        self.q_norm = arch.norm(self.head_dim, config.rms_norm_eps) if arch.qk_norm else None
-        self.k_norm = arch.norm(self.head_dim, config.rms_norm_eps) if arch.qk_norm else None
-        self.sliding_window = arch.sliding_window(config, layer_idx)
+                                          config.num_attention_heads, config.num_key_value_heads,
+                                          config.qkv_bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim,
+                                        config.hidden_size, bias=config.o_proj_bias)
+        norm = norm_class(config)
+        self.q_norm = norm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = norm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.sliding_window = layer.sliding_window
         # partial rotary embeddings: q and k heads are stored with their dimensions reordered
         self.rotary_order = partial_rotary_order(
-            rotary_dim(rope_parameters(config, rope_key(config, layer_idx)), self.head_dim),
-            self.head_dim)
+            rotary_dim(config.rope[layer.rope], self.head_dim), self.head_dim)
         self.backend = backend
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -122,31 +100,23 @@ class Attention(nn.Module):
         if self.q_norm is not None:  # per head, in place (qkv is this call's own)
             self.q_norm.forward_(qk[:, :self.num_heads])
             self.k_norm.forward_(qk[:, self.num_heads:])
-        rope_write = cpu_rope.load() if qk.device.type == "cpu" else None
-        if rope_write is not None and rope_write.handles(qk):
-            # on CPU: q and k rotated, and k and v written to the cache, in one C pass
-            q = rope_write(qk, v, *rope, meta.slot_mapping, kv_cache[0], kv_cache[1])
-            k = v = None  # already in the cache
-        else:
-            # q and k rotated in one pass; both are views of its output
-            qk = apply_rotary(qk, *rope)
-            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        # k and v come back None where they were written to the cache with the rotation
+        q, k, v = ops.rope_and_cache(qk, v, *rope, self.num_heads, meta.slot_mapping, kv_cache)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
                                    self.sliding_window)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config: ModelConfig):
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(
             config.hidden_size, [config.intermediate_size, config.intermediate_size])
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
-        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
-        if act not in ACTIVATIONS:
-            raise ValueError(f"activation {act!r} is not supported; supported: "
+        if config.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"activation {config.hidden_act!r} is not supported; supported: "
                              f"{', '.join(ACTIVATIONS)}")
-        self.act = act
+        self.act = config.hidden_act
         self.packed_halves = None  # gate and up in oneDNN's layout, once pack_weights() ran
 
     def pack_weights(self, batch_hint: int) -> None:
@@ -167,23 +137,18 @@ class MLP(nn.Module):
             weight = self.gate_up_proj.weight
             half = weight.shape[0] // 2
             gate, up = F.linear(x, weight[:half]), F.linear(x, weight[half:])
-        ops = cpu_ops.for_tensor(gate)
-        if ops is not None:  # in one pass, in place
-            act_mul_ = ops.silu_mul_ if self.act == "silu" else ops.gelu_tanh_mul_
-            return self.down_proj(act_mul_(gate, up))
-        if self.act != "silu":
-            return self.down_proj(F.gelu(gate, approximate="tanh").mul_(up))
-        return self.down_proj(F.silu(gate).mul_(up))
+        return self.down_proj(ops.act_mul_(gate, up, self.act))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, arch, backend, dtype):
+    def __init__(self, config: ModelConfig, layer: LayerConfig, backend):
         super().__init__()
-        self.self_attn = Attention(config, layer_idx, arch, backend, dtype)
-        self.mlp = moe_block(config, layer_idx) or MLP(config)
-        self.input_layernorm = arch.norm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = arch.norm(config.hidden_size, config.rms_norm_eps)
-        self.rope_key = rope_key(config, layer_idx)
+        self.self_attn = Attention(config, layer, backend)
+        self.mlp = moe_block(config) if layer.moe else MLP(config)
+        norm = norm_class(config)
+        self.input_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+        self.rope_key = layer.rope
 
     def forward(self, rope, hidden, residual, meta, kv_cache):
         """(hidden, residual) -> the next pair: the stream is residual + hidden, each add
@@ -202,10 +167,11 @@ class SandwichDecoderLayer(DecoderLayer):
     """Gemma 3's layer: the attention and MLP outputs are normed again before each
     residual add, and the MLP input has a norm of its own."""
 
-    def __init__(self, config, layer_idx: int, arch, backend, dtype):
-        super().__init__(config, layer_idx, arch, backend, dtype)
-        self.pre_feedforward_layernorm = arch.norm(config.hidden_size, config.rms_norm_eps)
-        self.post_feedforward_layernorm = arch.norm(config.hidden_size, config.rms_norm_eps)
+    def __init__(self, config: ModelConfig, layer: LayerConfig, backend):
+        super().__init__(config, layer, backend)
+        norm = norm_class(config)
+        self.pre_feedforward_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+        self.post_feedforward_layernorm = norm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, rope, hidden, residual, meta, kv_cache):
         residual = hidden if residual is None else residual + hidden
@@ -216,20 +182,18 @@ class SandwichDecoderLayer(DecoderLayer):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, arch, backend, dtype):
+    def __init__(self, config: ModelConfig, backend, dtype: torch.dtype):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # Gemma scales the embeddings by sqrt(hidden_size), rounded to the model's dtype
-        self.embed_scale = config.hidden_size ** 0.5 if arch.scaled_embeddings else None
-        self.layers = nn.ModuleList(arch.layer(config, i, arch, backend, dtype)
-                                    for i in range(config.num_hidden_layers))
-        self.norm = arch.norm(config.hidden_size, config.rms_norm_eps)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.embed_scale = config.embed_scale
+        layer_class = SandwichDecoderLayer if config.sandwich_norms else DecoderLayer
+        self.layers = nn.ModuleList(layer_class(config, layer, backend) for layer in config.layers)
+        self.norm = norm_class(config)(config.hidden_size, config.rms_norm_eps)
         # one table for all layers, or one per layer type where each has its own settings
         self.rotary = nn.ModuleDict({
-            key: RotaryEmbedding(head_dim, config.max_position_embeddings,
-                                 rope_parameters(config, key), dtype)
-            for key in sorted({layer.rope_key for layer in self.layers})})
+            key: RotaryEmbedding(config.head_dim, config.max_position_embeddings, params, dtype)
+            for key, params in config.rope.items()})
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
@@ -242,11 +206,11 @@ class CausalLM(nn.Module):
     """forward() returns final hidden states; compute_logits() applies the LM head to the
     rows that sample (float32 logits, or the model's dtype with float32=False)."""
 
-    def __init__(self, config, arch: "ArchSpec", backend, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, backend, dtype: torch.dtype):
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, arch, backend, dtype)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.model = DecoderModel(config, backend, dtype)
+        self.tie_word_embeddings = config.tie_word_embeddings
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -322,61 +286,3 @@ class CausalLM(nn.Module):
 
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-
-
-def rope_key(config, layer_idx: int) -> str:
-    """Which rotary table a layer uses: its layer type's where the config sets rope per
-    layer type (Gemma 3: local and global attention), else the one shared table."""
-    per_type = getattr(config, "rope_parameters", None) or {}
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types and isinstance(per_type.get(layer_types[layer_idx]), dict):
-        return layer_types[layer_idx]
-    return "full_attention"
-
-
-class ArchSpec:
-    """What distinguishes one supported architecture from another."""
-
-    def __init__(self, qkv_bias: bool = False, qk_norm: bool = False, sliding: str = "none",
-                 gemma: bool = False):
-        self.qkv_bias, self.qk_norm, self.sliding = qkv_bias, qk_norm, sliding
-        # Gemma: norms offset from 1, scaled embeddings, normed sublayer outputs
-        self.norm = GemmaRMSNorm if gemma else RMSNorm
-        self.layer = SandwichDecoderLayer if gemma else DecoderLayer
-        self.scaled_embeddings = gemma
-
-    def check(self, config) -> None:
-        """Refuse what the engine does not implement, naming it."""
-        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if getattr(config, name, None) is not None:
-                raise ValueError(f"{name} is not supported (Gemma 2's tanh soft-capping)")
-        if getattr(config, "use_bidirectional_attention", False):
-            raise ValueError("use_bidirectional_attention is not supported (embedding models)")
-
-    def sliding_window(self, config, layer_idx: int) -> int | None:
-        window = getattr(config, "sliding_window", None)
-        if not window or self.sliding == "none":
-            return None
-        if self.sliding == "all":
-            return int(window)
-        layer_types = getattr(config, "layer_types", None)
-        if layer_types:
-            return int(window) if layer_types[layer_idx] == "sliding_attention" else None
-        if getattr(config, "use_sliding_window", False):
-            return int(window) if layer_idx >= getattr(config, "max_window_layers", 0) else None
-        return None
-
-
-ARCHITECTURES = {
-    "LlamaForCausalLM": ArchSpec(),
-    "MistralForCausalLM": ArchSpec(sliding="all"),
-    "Qwen2ForCausalLM": ArchSpec(qkv_bias=True, sliding="layer_types"),
-    "Qwen3ForCausalLM": ArchSpec(qk_norm=True, sliding="layer_types"),
-    # mixtures of experts (batchinfer.model.moe)
-    "MixtralForCausalLM": ArchSpec(sliding="all"),
-    "Qwen3MoeForCausalLM": ArchSpec(qk_norm=True, sliding="layer_types"),
-    # q/k/v and gate/up stored fused; a sliding window on every layer when one is set
-    "Phi3ForCausalLM": ArchSpec(sliding="all"),
-    # q/k norm, sliding and full attention layers with rope of their own, GELU
-    "Gemma3ForCausalLM": ArchSpec(qk_norm=True, sliding="layer_types", gemma=True),
-}

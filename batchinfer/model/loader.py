@@ -1,4 +1,4 @@
-"""Find a model directory, read its config, and fill our modules from its weights.
+"""Find a model directory and fill our modules from its weights.
 
 Never downloads: a model is a local directory or a hub id already in the local HF cache.
 """
@@ -11,14 +11,13 @@ from pathlib import Path
 
 import torch
 
-from batchinfer.model.llama import ARCHITECTURES, CausalLM, GemmaRMSNorm
+from batchinfer.model.config import ModelConfig
+from batchinfer.model.llama import CausalLM, GemmaRMSNorm
 
 
 def resolve_model_path(model: str) -> Path:
-    """A local directory, "demo" (the built-in random model), or a hub id from the cache."""
-    if model == "demo":
-        from batchinfer.demo import demo_model_path
-        return demo_model_path()
+    """A local directory, or a hub id from the cache. (The built-in "demo" model is found
+    by the callers that offer it: batchinfer.demo.resolve_model.)"""
     return _resolve(model, "model", ("config.json",))
 
 
@@ -63,29 +62,12 @@ def _hf_hub_cache() -> Path:
     return home / "hub"
 
 
-# vision-language checkpoints whose text decoder runs here (text prompts only)
-LANGUAGE_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
-# their weight names: the decoder's under a prefix (older and newer transformers' layouts);
-# the vision tower and projector are not loaded
+# vision-language checkpoints' weight names (config.LANGUAGE_MODELS): the decoder's under a
+# prefix (older and newer transformers' layouts); the vision tower and projector are not loaded
 _LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
                             ("language_model.lm_head.", "lm_head."))
 _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
                     "model.multi_modal_projector.")
-
-
-def language_model_config(hf_config):
-    """The config the engine runs: a vision-language checkpoint's text config (with its
-    decoder's architecture), or the config itself."""
-    for arch in getattr(hf_config, "architectures", None) or []:
-        if arch in LANGUAGE_MODELS and getattr(hf_config, "text_config", None) is not None:
-            text = hf_config.text_config
-            text.architectures = [LANGUAGE_MODELS[arch]]
-            # the checkpoint's dtype and stop ids are set on the outer config only
-            for name in ("dtype", "eos_token_id"):
-                if getattr(hf_config, name, None) is not None:
-                    setattr(text, name, getattr(hf_config, name))
-            return text
-    return hf_config
 
 
 def language_model_weights(weights: Iterator[tuple[str, torch.Tensor]]
@@ -99,20 +81,6 @@ def language_model_weights(weights: Iterator[tuple[str, torch.Tensor]]
                 name = replacement + name[len(prefix):]
                 break
         yield name, tensor
-
-
-def architecture(hf_config) -> str:
-    archs = getattr(hf_config, "architectures", None) or []
-    by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-               "phi3": "Phi3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-               "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
-    for arch in archs or [by_type.get(getattr(hf_config, "model_type", ""), "")]:
-        if arch in ARCHITECTURES:
-            ARCHITECTURES[arch].check(hf_config)
-            return arch
-    raise ValueError(f"model architecture {archs or hf_config.model_type!r} is not supported; "
-                     f"supported: {', '.join(ARCHITECTURES)}")
 
 
 def iter_weights(path: Path, allow_pickle: bool) -> Iterator[tuple[str, torch.Tensor]]:
@@ -145,16 +113,17 @@ def iter_weights(path: Path, allow_pickle: bool) -> Iterator[tuple[str, torch.Te
         yield from state.items()
 
 
-def build_model(hf_config, backend, dtype: torch.dtype, device: torch.device) -> CausalLM:
-    arch = ARCHITECTURES[architecture(hf_config)]
+def build_model(config: ModelConfig, backend, dtype: torch.dtype,
+                device: torch.device) -> CausalLM:
     with torch.device(device):
-        model = CausalLM(hf_config, arch, backend, dtype)
+        model = CausalLM(config, backend, dtype)
     return model.to(dtype=dtype)
 
 
-def load_model(path: Path, hf_config, backend, dtype: torch.dtype, device: torch.device,
-               load_format: str = "auto", allow_pickle: bool = False, seed: int = 0) -> CausalLM:
-    model = build_model(hf_config, backend, dtype, device)
+def load_model(path: Path, config: ModelConfig, backend, dtype: torch.dtype,
+               device: torch.device, load_format: str = "auto", allow_pickle: bool = False,
+               seed: int = 0) -> CausalLM:
+    model = build_model(config, backend, dtype, device)
     if load_format == "dummy":
         _init_random(model, seed)
     else:

@@ -7,7 +7,7 @@ ascending expert order, as transformers' eager experts do, so float32 results ma
 sums. With tensor parallelism every rank holds a slice of every expert's intermediate
 dimension and the partial results are summed by one all-reduce per layer.
 
-On CUDA the experts run as two grouped Triton products (kernels/fused_moe.py) planned
+On CUDA the experts run as two grouped Triton products (kernels/triton/fused_moe.py) planned
 without host synchronisation, so decode steps are captured in CUDA graphs. Elsewhere a loop
 over the experts that received tokens runs; it reads the per-expert token counts on the
 host. On CPU each expert's weights are packed once for oneDNN (cpu_linear), which would
@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchinfer.model import cpu_linear
+from batchinfer.model.config import ModelConfig
 from batchinfer.model.parallel import TensorParallel, _check_divisible, _shard
 
 # a checkpoint's per-expert tensor: (block).experts.(e).(projection).weight
@@ -107,7 +108,7 @@ class SparseMoE(nn.Module):
         if self.weights_in_model_dtype:
             weights = weights.to(x.dtype)
         if self.fused(x):
-            from batchinfer.kernels.fused_moe import fused_moe
+            from batchinfer.kernels.triton.fused_moe import fused_moe
             out = fused_moe(x, self.w13, self.w2, experts, weights, self.weights_in_model_dtype)
             return TensorParallel.all_reduce(out)
         # the (token, choice) pairs grouped by expert; the per-expert work is the products
@@ -142,23 +143,11 @@ def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def moe_block(config, layer_idx: int) -> SparseMoE | None:
-    """The layer's MoE block, or None where the layer has a dense MLP (Qwen3-MoE's
-    mlp_only_layers and decoder_sparse_step)."""
-    if getattr(config, "moe_intermediate_size", None) is None:
-        if not getattr(config, "num_local_experts", None):
-            return None
-        return SparseMoE(config.hidden_size, config.intermediate_size,  # Mixtral
-                         config.num_local_experts, config.num_experts_per_tok,
-                         normalize=True, weights_in_model_dtype=False)
-    num_experts = getattr(config, "num_experts", 0) or 0
-    step = getattr(config, "decoder_sparse_step", 1) or 1
-    if (num_experts == 0 or layer_idx in (getattr(config, "mlp_only_layers", None) or [])
-            or (layer_idx + 1) % step):
-        return None
-    return SparseMoE(config.hidden_size, config.moe_intermediate_size, num_experts,
-                     config.num_experts_per_tok, normalize=bool(config.norm_topk_prob),
-                     weights_in_model_dtype=True)
+def moe_block(config: ModelConfig) -> SparseMoE:
+    """A layer's MoE block, as config.moe describes it."""
+    moe = config.moe
+    return SparseMoE(config.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k,
+                     moe.normalize, moe.weights_in_model_dtype)
 
 
 # Mixtral's checkpoint names for the block and its projections

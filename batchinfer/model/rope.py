@@ -9,41 +9,6 @@ from torch import nn
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
-def rope_parameters(config, layer_type: str = "full_attention") -> dict:
-    """Rope settings from either the newer `rope_parameters` key (per layer type where
-    the config has one set for each) or the older `rope_scaling` + `rope_theta` keys."""
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    if isinstance(params.get(layer_type), dict):
-        params = dict(params[layer_type])
-    scaling = getattr(config, "rope_scaling", None)
-    if scaling and not params.get("rope_type"):
-        params.update(scaling)
-    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
-    if params["rope_type"] in ("su", "yarn") and "short_factor" in params:  # Phi-3's old names
-        params["rope_type"] = "longrope"
-    if params["rope_type"] not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"rope type {params['rope_type']!r} is not supported; "
-                         f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-    params["partial_rotary_factor"] = 1.0 if partial is None else float(partial)
-    if params["rope_type"] == "longrope":
-        params.setdefault("original_max_position_embeddings",
-                          getattr(config, "original_max_position_embeddings", None)
-                          or config.max_position_embeddings)
-        params.setdefault("factor", config.max_position_embeddings
-                          / params["original_max_position_embeddings"])
-    return params
-
-
-def short_context_limit(config) -> int | None:
-    """For LongRoPE models, the context length up to which their short-context factors
-    apply (original_max_position_embeddings): the engine runs them that far and no
-    further. None for every other rope type."""
-    params = rope_parameters(config)
-    return params["original_max_position_embeddings"] if params["rope_type"] == "longrope" else None
-
-
 def attention_scaling(params: dict) -> float:
     """The factor LongRoPE multiplies cos and sin by (1 for the other types)."""
     if params["rope_type"] != "longrope":

@@ -8,6 +8,7 @@ import torch
 from batchinfer.bench.engine_run import EngineRun, StepSample
 from batchinfer.bench.report import engine_summary, summary_lines
 from batchinfer.bench.roofline import DevicePeak, ModelShape, WeightBytes, device_peak
+from batchinfer.model.config import ModelConfig
 
 SHAPE = ModelShape(num_layers=2, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4,
                    intermediate_size=16, vocab_size=10)
@@ -77,8 +78,8 @@ def test_moe_shapes_count_the_experts_a_token_runs_through():
     qwen = Qwen3MoeConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                           intermediate_size=192, moe_intermediate_size=48, num_experts=8,
                           num_experts_per_tok=3)
-    assert ModelShape.from_config(mixtral).intermediate_size == 2 * 96
-    assert ModelShape.from_config(qwen).intermediate_size == 3 * 48
+    assert ModelShape.from_config(ModelConfig.from_hf(mixtral)).intermediate_size == 2 * 96
+    assert ModelShape.from_config(ModelConfig.from_hf(qwen)).intermediate_size == 3 * 48
 
 
 def test_moe_decode_reads_the_share_of_experts_a_batch_hits():

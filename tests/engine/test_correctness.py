@@ -80,7 +80,7 @@ def test_legacy_rope_keys_and_sharded_checkpoint(llama_dir, llama_legacy_rope_di
 
 
 def test_attention_bias(tmp_path):
-    from batchinfer.model.random_checkpoint import SHAPES, build_random_checkpoint
+    from batchinfer.random_checkpoint import SHAPES, build_random_checkpoint
     shape = dict(SHAPES["test-llama"], attention_bias=True)
     model_dir = build_random_checkpoint(tmp_path / "llama-bias", shape)
     _check(model_dir)

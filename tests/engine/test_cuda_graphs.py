@@ -56,9 +56,9 @@ def _cpu_llm(model_dir, static: bool, **kwargs) -> LLM:
 def many_splits(monkeypatch):
     """Split-KV as on a 132-SM GPU with 16-token splits: the static path, which sizes splits
     for max_model_len, then has empty splits past every sequence's end."""
-    from batchinfer.kernels import decode_attention
-    monkeypatch.setattr(decode_attention, "sm_count", lambda device: 132)
-    monkeypatch.setattr(decode_attention, "MIN_TOKENS_PER_SPLIT", 16)
+    from batchinfer.kernels.triton import decode
+    monkeypatch.setattr(decode, "sm_count", lambda device: 132)
+    monkeypatch.setattr(decode, "MIN_TOKENS_PER_SPLIT", 16)
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from batchinfer.engine.engine import LLMEngine
-from batchinfer.model.random_checkpoint import default_corpus
+from batchinfer.random_checkpoint import default_corpus
 
 TEXTS = [
     "A plain sentence about rivers.",

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from batchinfer.engine.sampler import Sampler, SamplingBatch, greedy_argmax, logprobs
-from batchinfer.kernels import cpu_logprobs, cpu_ops, cpu_sample
+from batchinfer.kernels import cpu
 
 N = 20_000  # samples per statistical check: 4 sigma of a frequency is below 0.015
 PROBS = torch.tensor([0.40, 0.25, 0.15, 0.10, 0.06, 0.04])
@@ -20,19 +20,17 @@ def sampling_path(request, monkeypatch):
     """Every test twice: with the C sampling and logprobs kernels (what CPUs run) and with
     torch's ops (what GPUs run, and CPUs without a compiler)."""
     if request.param == "torch":
-        monkeypatch.setattr(cpu_sample, "load", lambda: None)
-        monkeypatch.setattr(cpu_logprobs, "load", lambda: None)
-    elif cpu_sample.load() is None or cpu_logprobs.load() is None:
+        monkeypatch.setattr(cpu.sample, "available", lambda: False)
+        monkeypatch.setattr(cpu.logprobs, "available", lambda: False)
+    elif not (cpu.sample.available() and cpu.logprobs.available()):
         pytest.skip("the C sampling kernels cannot be built here")
     return request.param
 
 
 def test_the_cpu_kernel_draws_when_built(sampling_path, monkeypatch):
     calls = []
-    loaded = cpu_sample.load()
-    if loaded is not None:
-        monkeypatch.setattr(cpu_sample, "load", lambda: lambda *args: calls.append(args)
-                            or loaded(*args))
+    sample = cpu.sample.sample
+    monkeypatch.setattr(cpu.sample, "sample", lambda *args: calls.append(args) or sample(*args))
     sampler()(LOGITS.expand(10, -1).clone(), batch(10, top_p=0.9))
     assert bool(calls) == (sampling_path == "cpu kernel")
 
@@ -303,8 +301,7 @@ def test_greedy_argmax_is_the_first_maximum(vocab, dtype):
 @pytest.mark.parametrize("vocab", [32, 1030, 49152])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_c_argmax_matches_torch_with_nan_and_inf(vocab, dtype):
-    ops = cpu_ops.load()
-    if ops is None:
+    if not cpu.ops.available():
         pytest.skip("no C ops here: greedy_argmax takes torch's path")
     gen = torch.Generator().manual_seed(vocab)
     logits = (torch.randn(8, vocab + 16, generator=gen) * 2).round().to(dtype)[:, :vocab]
@@ -317,5 +314,6 @@ def test_c_argmax_matches_torch_with_nan_and_inf(vocab, dtype):
     logits[5, 5] = float("inf")
     logits[5, 3] = float("inf")
     assert not logits.is_contiguous()                    # rows strided, as a padded head's slice
-    assert torch.equal(ops.argmax(logits), logits.argmax(dim=-1))
+    assert cpu.ops.supports_argmax(logits)
+    assert torch.equal(cpu.ops.argmax(logits), logits.argmax(dim=-1))
     assert torch.equal(greedy_argmax(logits), logits.argmax(dim=-1))

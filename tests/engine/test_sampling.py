@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from batchinfer import LLM, SamplingParams
-from batchinfer.model.random_checkpoint import build_random_checkpoint
+from batchinfer.random_checkpoint import build_random_checkpoint
 
 BLOCK_SIZE = 16
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from batchinfer.attention import AttentionMetadata, TorchAttention
-from batchinfer.kernels import cpu_decode, cpu_prefill
-from batchinfer.kernels.reference import ref_decode_attention, ref_prefill_attention
+from batchinfer.kernels import cpu
+from reference import ref_decode_attention, ref_prefill_attention
 
 BLOCK = 16
 KV_HEADS, GROUP, HEAD_DIM = 2, 4, 32
@@ -94,11 +94,11 @@ def test_matches_reference(window, dtype, tol, use_cpu_kernel):
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
     plan = step_plan(meta)
     # decodes go to the C kernel where it is built, to gathered groups otherwise
-    kernel_used = use_cpu_kernel and cpu_decode.load() is not None
+    kernel_used = use_cpu_kernel and cpu.decode.available()
     assert (plan.decode_bounds is not None) == kernel_used
     assert bool(plan.decode_groups) == (not kernel_used)
     # prompt chunks go to the C prefill kernel with it, unless there is a window
-    prefill_kernel = kernel_used and window is None and cpu_prefill.load() is not None
+    prefill_kernel = kernel_used and window is None and cpu.prefill.available()
     assert (plan.prefill_chunks is not None) == prefill_kernel
     assert bool(plan.prefill_groups) == (not prefill_kernel)
     # the cascade runs without a window (128 shared tokens), never with one shorter than the context
@@ -127,7 +127,7 @@ def test_sliding_window_chunks_gather_only_the_keys_their_runs_see(dtype, tol):
     expected = ([(48, 48)] + [(48, 95)] * 5 + [(12, 59)]   # 300 queries from position 0
                 + [(48, 95)] * 2 + [(34, 81)]              # 130 after 570 earlier tokens
                 + [(48, 48), (12, 59)])                    # 60 from position 0
-    if cpu_prefill.load() is not None and cpu_decode.load() is not None:
+    if cpu.prefill.available() and cpu.decode.available():
         assert plan.prefill_chunks[:, 0].tolist() == [4, 5]
     else:  # the short ones through flash too, whole, causal
         assert plan.prefill_chunks is None
@@ -168,10 +168,9 @@ def test_long_bfloat16_chunks_left_to_flash(monkeypatch, seqs, to_flash):
     with AMX), those run as gathered flash calls without a mask (earlier context and own
     tokens apart), each merged with the shared prefix's result on its own, and the others
     stay in the kernel's one call."""
-    kernel = cpu_prefill.load()
-    if kernel is None or cpu_decode.load() is None:
+    if not (cpu.prefill.available() and cpu.decode.available()):
         pytest.skip("the C kernels are not built here")
-    monkeypatch.setattr(kernel, "flash_min_keys_x_dim2", 64 * HEAD_DIM ** 2)
+    monkeypatch.setattr(cpu.prefill, "flash_min_keys_x_dim2", lambda: 64 * HEAD_DIM ** 2)
     seqs = sorted(seqs, key=lambda s: s[2] != 1)
     query, key, value, k_cache, v_cache, meta = paged_batch(seqs, torch.bfloat16)
     out = TorchAttention().forward(query, key, value, k_cache, v_cache, meta, 0.2, None)
@@ -194,10 +193,9 @@ def test_long_bfloat16_chunks_left_to_flash(monkeypatch, seqs, to_flash):
 def test_flash_chunks_after_earlier_context_other_shapes(monkeypatch, heads, max_gather_rows):
     """The same split for SmolLM2's and a head_dim-128 shape, with the chunks in one gather
     group or each in its own."""
-    kernel = cpu_prefill.load()
-    if kernel is None or cpu_decode.load() is None:
+    if not (cpu.prefill.available() and cpu.decode.available()):
         pytest.skip("the C kernels are not built here")
-    monkeypatch.setattr(kernel, "flash_min_keys_x_dim2", 64 * heads[2] ** 2)
+    monkeypatch.setattr(cpu.prefill, "flash_min_keys_x_dim2", lambda: 64 * heads[2] ** 2)
     seqs = [(8, 150, 1), (8, 170, 1), (8, 300, 60), (0, 250, 90), (8, 228, 100), (2, 180, 40)]
     query, key, value, k_cache, v_cache, meta = paged_batch(seqs, torch.bfloat16, seed=3,
                                                             heads=heads)

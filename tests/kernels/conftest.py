@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import functools
 import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from batchinfer.attention.metadata import AttentionMetadata
-from batchinfer.kernels import cpu_build
+from batchinfer.kernels import cpu
 
 # On a CUDA machine the kernels run compiled on the GPU, elsewhere under the interpreter.
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -103,12 +104,14 @@ def model_dtype_logits(monkeypatch):
 
 @pytest.fixture(scope="session")
 def built_or_skip():
-    """For the C kernels on CPU: a loader's None skips the test only on a machine without
-    gcc or libgomp; elsewhere a kernel that stops compiling must fail, not fall back quietly."""
-    def check(loaded, what: str):
-        if loaded is None:
-            assert shutil.which("gcc") is None or cpu_build.torch_openmp_runtime() is None, \
+    """For the C kernels on CPU: the library built from a wrapper module's SOURCE. A build's
+    None skips the test only on a machine without gcc or libgomp; elsewhere a kernel that
+    stops compiling must fail, not fall back quietly."""
+    def check(module, what: str) -> Path:
+        path = cpu.build.build(module.SOURCE)
+        if path is None:
+            assert shutil.which("gcc") is None or cpu.build.torch_openmp_runtime() is None, \
                 f"gcc and torch's libgomp are here, yet {what} did not build"
             pytest.skip(f"no gcc or no libgomp here: {what} cannot be built")
-        return loaded
+        return path
     return check

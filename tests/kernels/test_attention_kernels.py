@@ -11,11 +11,10 @@ import os
 import pytest
 import torch
 
-from batchinfer.kernels.decode_attention import choose_num_splits, paged_decode_attention
-from batchinfer.kernels.kv_write import write_kv
-from batchinfer.kernels.prefill_attention import paged_prefill_attention, plan_prefill_tiles
-from batchinfer.kernels.reference import (ref_decode_attention, ref_prefill_attention,
-                                          ref_write_kv)
+from batchinfer.kernels.triton.decode import choose_num_splits, paged_decode_attention
+from batchinfer.kernels.triton.kv_write import write_kv
+from batchinfer.kernels.triton.prefill import paged_prefill_attention, plan_prefill_tiles
+from reference import ref_decode_attention, ref_prefill_attention, ref_write_kv
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Tolerance per dtype against the float32 reference. Under the interpreter every tile is

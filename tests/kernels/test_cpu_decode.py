@@ -1,4 +1,4 @@
-"""The C paged-decode kernel (kernels/paged_decode_cpu.c) against a float64 reference.
+"""The C paged-decode kernel (kernels/cpu/decode.c) against a float64 reference.
 
 Caches come from the paged_batch fixture (on the CPU here): blocks in shuffled order and
 NaN in every slot outside a context, so a read past a sequence's range, or a masked lane
@@ -11,14 +11,14 @@ import tempfile
 import pytest
 import torch
 
-from batchinfer.kernels import cpu_build, cpu_decode
+from batchinfer.kernels import cpu
 
 CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
 def kernel(built_or_skip):
-    return built_or_skip(cpu_decode.load(), "the CPU decode kernel")
+    return cpu.decode.DecodeKernel(built_or_skip(cpu.decode, "the CPU decode kernel"))
 
 
 def reference(query, k_cache, v_cache, block_tables, lo, hi, scale):
@@ -71,6 +71,7 @@ def test_matches_reference(kernel, paged_batch, dtype, tol, num_kv_heads, group,
                         num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, dtype=dtype,
                         device=CPU)
     assert kernel.supports(dtype, num_kv_heads * group, num_kv_heads, head_dim)
+    assert cpu.decode.supports(batch.query, num_kv_heads)
     # whole contexts, and ranges starting mid-block / at a block edge (a cascade's own part,
     # a sliding window)
     for lo in ([0] * len(seq_lens), [0, 3, 16, 1, 16, 37, 200, 63]):
@@ -187,48 +188,66 @@ def test_a_nan_key_in_range_shows_in_the_output(kernel, paged_batch):
 
 @pytest.fixture
 def fresh_loader(monkeypatch, tmp_path):
-    monkeypatch.setattr(cpu_build, "_built", {})
-    monkeypatch.setattr(cpu_build, "_loaded", {})
+    monkeypatch.setattr(cpu.build, "_built", {})
+    monkeypatch.setattr(cpu.build, "_loaded", {})
     monkeypatch.setenv("BATCHINFER_CACHE_DIR", str(tmp_path))
     return tmp_path
 
 
-def test_switched_off_by_the_environment(fresh_loader, monkeypatch):
-    monkeypatch.setenv(cpu_build.ENV_SWITCH, "0")
-    assert cpu_decode.load() is None
+@pytest.mark.parametrize("wrapper", ["decode", "prefill", "shared_prefix", "ops", "rope",
+                                     "sample", "logprobs"])
+def test_switched_off_by_the_environment(fresh_loader, monkeypatch, wrapper):
+    monkeypatch.setenv(cpu.build.ENV_SWITCH, "0")
+    assert not getattr(cpu, wrapper).available()
+    assert cpu.build.build(getattr(cpu, wrapper).SOURCE) is None
+
+
+def test_supports_nothing_where_not_available(fresh_loader, monkeypatch):
+    monkeypatch.setenv(cpu.build.ENV_SWITCH, "0")
+    query, logits = torch.zeros(1, 4, 32), torch.zeros(2, 64)
+    assert not cpu.decode.supports(query, 2)
+    assert not cpu.prefill.supports(query, 2)
+    assert not cpu.shared_prefix.supports(query, 2)
+    assert not cpu.ops.supports(logits) and not cpu.ops.supports_heads(logits)
+    assert not cpu.ops.supports_argmax(logits)
+    assert not cpu.rope.supports(query)
+    assert not cpu.sample.supports(logits)
+    assert not cpu.logprobs.supports(logits, 1) and cpu.logprobs.max_k() == 0
 
 
 def test_build_failure_falls_back_with_a_warning(fresh_loader, monkeypatch, caplog):
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
-    with caplog.at_level(logging.WARNING, logger=cpu_build.__name__):
-        assert cpu_decode.load() is None
+    with caplog.at_level(logging.WARNING, logger=cpu.build.__name__):
+        assert not cpu.decode.available()
     assert "torch path" in caplog.text
     assert not list(fresh_loader.rglob("*.so"))
 
 
 @pytest.mark.slow
 def test_builds_into_the_cache_dir_once(fresh_loader, kernel):
-    first = cpu_decode.load()
-    assert first is not None and first.path.parent == fresh_loader / "kernels"
-    cpu_build._built.clear()
-    cpu_build._loaded.clear()
-    assert cpu_decode.load().path == first.path  # found again, not rebuilt elsewhere
+    assert cpu.decode.available()
+    first = cpu.build.build(cpu.decode.SOURCE)
+    assert first is not None and first.parent == fresh_loader / "kernels"
+    cpu.build._built.clear()
+    cpu.build._loaded.clear()
+    assert cpu.build.build(cpu.decode.SOURCE) == first  # found again, not rebuilt elsewhere
     assert len(list((fresh_loader / "kernels").iterdir())) == 1
 
 
 def test_a_read_only_cache_builds_in_the_temp_dir(fresh_loader, kernel, monkeypatch, tmp_path):
-    real_compile = cpu_build._compile
+    real_compile = cpu.build._compile
 
     def compile_where_writable(compiler, source, runtime, target):
         if fresh_loader / "kernels" in target.parents:  # the cache root refuses writes
             raise PermissionError(13, "Permission denied", str(target.parent))
         real_compile(compiler, source, runtime, target)
 
-    monkeypatch.setattr(cpu_build, "_compile", compile_where_writable)
+    monkeypatch.setattr(cpu.build, "_compile", compile_where_writable)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
-    built = cpu_decode.load()
-    assert built is not None and (tmp_path / "tmp") in built.path.parents
+    assert cpu.decode.available()
+    built = cpu.build.build(cpu.decode.SOURCE)
+    assert built is not None and (tmp_path / "tmp") in built.parents
 
 
 @pytest.mark.parametrize("identity, amx", [
@@ -237,5 +256,5 @@ def test_a_read_only_cache_builds_in_the_temp_dir(fresh_loader, kernel, monkeypa
     ("flags\t\t: fpu avx512f amx_bf16x\n", False),
 ])
 def test_amx_is_read_from_the_flags_line(monkeypatch, identity, amx):
-    monkeypatch.setattr(cpu_build, "cpu_identity", lambda: identity)
-    assert cpu_build.has_amx() is amx
+    monkeypatch.setattr(cpu.build, "cpu_identity", lambda: identity)
+    assert cpu.build.has_amx() is amx

@@ -1,16 +1,16 @@
-"""The CPU logprobs kernel (kernels/cpu_logprobs.c) against torch's log-softmax, top k,
+"""The CPU logprobs kernel (kernels/cpu/logprobs.c) against torch's log-softmax, top k,
 gather and rank: values, ids, ranks, ties, degenerate rows, strides and the contract."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from batchinfer.kernels import cpu_logprobs
+from batchinfer.kernels import cpu
 
 
 @pytest.fixture(scope="module")
 def kernel(built_or_skip):
-    return built_or_skip(cpu_logprobs.load(), "the CPU logprobs kernel")
+    return cpu.logprobs.LogprobsKernel(built_or_skip(cpu.logprobs, "the CPU logprobs kernel"))
 
 
 def reference(logits, k, tokens):

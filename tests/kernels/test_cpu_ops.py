@@ -1,4 +1,4 @@
-"""Fused elementwise ops for CPUs (kernels/cpu_ops.c) against torch's own sequence of
+"""Fused elementwise ops for CPUs (kernels/cpu/ops.c) against torch's own sequence of
 operations, in bfloat16 and float32, and the model layers that use them."""
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import torch
 import torch.nn.functional as F
 
 from batchinfer import LLM, SamplingParams
-from batchinfer.kernels import cpu_ops
+from batchinfer.kernels import cpu
 
 
 @pytest.fixture(scope="module")
 def ops(built_or_skip):
-    return built_or_skip(cpu_ops.load(), "the CPU ops")
+    return cpu.ops.OpsKernels(built_or_skip(cpu.ops, "the CPU ops"))
 
 
 def torch_rms_norm(x, weight, eps):
@@ -150,6 +150,7 @@ def test_rms_norm_over_some_heads_of_a_projection_in_place(ops, dtype):
 def test_model_norms_take_the_kernel_as_their_torch_form_computes(ops, monkeypatch, dtype):
     """RMSNorm and GemmaRMSNorm: the whole-row norm, the per-head in-place norm, and the
     torch fallback each give what the layer's torch form gives."""
+    from batchinfer.model import ops as model_ops
     from batchinfer.model.llama import GemmaRMSNorm, RMSNorm
     gen = torch.Generator().manual_seed(3)
     qkv = (torch.randn(29, 8 * 32, generator=gen) * 3).to(dtype)
@@ -157,12 +158,12 @@ def test_model_norms_take_the_kernel_as_their_torch_form_computes(ops, monkeypat
     for cls in (RMSNorm, GemmaRMSNorm):
         norm = cls(32, 1e-6)
         norm.weight.data = (torch.randn(32, generator=gen) * 0.3).to(dtype)
-        expected = norm._norm(heads[:, 2:5])
+        expected = model_ops.torch_rms_norm(heads[:, 2:5], norm.weight, norm.eps, norm.gemma)
         assert_rms_close(norm(heads[:, 2:5].contiguous()), expected)
         x = qkv.clone().view(29, 8, 32)
         assert_rms_close(norm.forward_(x[:, 2:5]), expected)
         assert torch.equal(x[:, 5:], heads[:, 5:])
-        monkeypatch.setattr(cpu_ops, "load", lambda: None)
+        monkeypatch.setattr(cpu.ops, "available", lambda: False)
         x = qkv.clone().view(29, 8, 32)
         assert torch.equal(norm.forward_(x[:, 2:5]), expected)  # torch's own, copied in
         monkeypatch.undo()
@@ -199,11 +200,11 @@ def test_float32_rms_norm_within_a_few_ulp_of_transformers(ops, residual):
 
 
 def test_only_contiguous_bfloat16_or_float32_cpu_tensors_with_16_multiple_rows(ops):
-    assert cpu_ops.for_tensor(torch.zeros(4, 32, dtype=torch.bfloat16)) is ops
-    assert cpu_ops.for_tensor(torch.zeros(4, 32)) is ops                        # float32
-    assert cpu_ops.for_tensor(torch.zeros(4, 32, dtype=torch.float16)) is None
-    assert cpu_ops.for_tensor(torch.zeros(4, 40, dtype=torch.bfloat16)) is None  # 40 % 16
-    assert cpu_ops.for_tensor(torch.zeros(4, 64, dtype=torch.bfloat16)[:, :32]) is None
+    assert cpu.ops.supports(torch.zeros(4, 32, dtype=torch.bfloat16))
+    assert cpu.ops.supports(torch.zeros(4, 32))                            # float32
+    assert not cpu.ops.supports(torch.zeros(4, 32, dtype=torch.float16))
+    assert not cpu.ops.supports(torch.zeros(4, 40, dtype=torch.bfloat16))  # 40 % 16
+    assert not cpu.ops.supports(torch.zeros(4, 64, dtype=torch.bfloat16)[:, :32])
     with pytest.raises(ValueError, match="out of contract"):
         ops.rms_norm(torch.zeros(4, 32, dtype=torch.bfloat16), torch.zeros(16, dtype=torch.bfloat16), 1e-6)
 
@@ -217,7 +218,7 @@ def test_engine_output_with_and_without_the_ops(fixture, request, monkeypatch, d
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     with_ops = [o.outputs[0].token_ids
                 for o in LLM(model=str(model_dir), dtype=dtype).generate(prompts, params)]
-    monkeypatch.setattr(cpu_ops, "load", lambda: None)
+    monkeypatch.setattr(cpu.ops, "available", lambda: False)
     without = [o.outputs[0].token_ids
                for o in LLM(model=str(model_dir), dtype=dtype).generate(prompts, params)]
     assert with_ops == without

@@ -1,4 +1,4 @@
-"""The C prefill-attention kernel (kernels/prefill_attn_cpu.c) against a float64 reference.
+"""The C prefill-attention kernel (kernels/cpu/prefill.c) against a float64 reference.
 
 Caches come from the paged_batch fixture (on the CPU here): blocks in shuffled order and
 NaN in every slot outside a context, so a read past a chunk's keys shows as NaN."""
@@ -7,21 +7,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchinfer.kernels import cpu_prefill
+from batchinfer.kernels import cpu
 
 CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
-def loaded(built_or_skip):
-    return built_or_skip(cpu_prefill.load(), "the CPU prefill kernel")
+def library(built_or_skip):
+    return built_or_skip(cpu.prefill, "the CPU prefill kernel")
 
 
 @pytest.fixture(scope="module", params=["float32 form", "bfloat16 dot form"])
-def kernel(loaded, request):
+def kernel(library, request):
     """The kernel with long bfloat16 chunks on each form in turn, whichever one this CPU's
     vendor gets by default: the dot form wherever the CPU has AVX512-BF16."""
-    kernel = cpu_prefill.CpuPrefillKernel(loaded.path)
+    kernel = cpu.prefill.PrefillKernel(library)
     kernel.bf16_dot = request.param == "bfloat16 dot form"
     if kernel.bf16_dot and not kernel.dot_instructions:
         pytest.skip("this CPU has no AVX512-BF16")
@@ -104,7 +104,7 @@ def test_matches_reference(kernel, paged_batch, dtype, tol, num_kv_heads, group,
 def takes_dot_path(kernel, dtype, chunks, head_dim):
     """Which chunks run on the AVX512-BF16 micro-kernel (none where the CPU lacks it)."""
     keys = (chunks[:, 4] - chunks[:, 3]) * head_dim
-    return (keys >= cpu_prefill.DOT_MIN_KEY_ELEMENTS) & (
+    return (keys >= cpu.prefill.DOT_MIN_KEY_ELEMENTS) & (
         dtype == torch.bfloat16 and kernel.bf16_dot and head_dim % 32 == 0)
 
 
@@ -227,7 +227,7 @@ def test_long_bfloat16_chunks_take_the_dot_product_kernel(kernel, paged_batch):
         assert torch.equal(out_i[q0:q1], out[q0:q1]) and torch.equal(lse_i[q0:q1], lse[q0:q1])
     # with the dot products switched off (as on CPUs where they are no faster), every chunk
     # runs the float32 form: a different rounding, the same attention
-    plain = cpu_prefill.CpuPrefillKernel(kernel.path)
+    plain = cpu.prefill.PrefillKernel(kernel.path)
     plain.bf16_dot = False
     out_f, lse_f = run(plain, batch, chunks)
     torch.testing.assert_close(out_f.double(), ref_out, atol=2e-2, rtol=2e-2)

@@ -1,4 +1,4 @@
-"""Rotary embedding plus KV-cache write in one C pass (kernels/cpu_rope.c) against the
+"""Rotary embedding plus KV-cache write in one C pass (kernels/cpu/rope.c) against the
 model's torch path: the same bits in q, in the cache slots written, and nowhere else."""
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import torch
 
 from batchinfer import LLM, SamplingParams
 from batchinfer.attention.torch_backend import write_kv
-from batchinfer.kernels import cpu_rope
+from batchinfer.kernels import cpu
 from batchinfer.model.rope import RotaryEmbedding, apply_rotary
 
 
 @pytest.fixture(scope="module")
 def rope_write(built_or_skip):
-    return built_or_skip(cpu_rope.load(), "the CPU rope op")
+    return cpu.rope.RopeKernel(built_or_skip(cpu.rope, "the CPU rope op"))
 
 
 def case(dtype, num_tokens, num_heads, num_kv_heads, head_dim, seed=0):
@@ -75,9 +75,9 @@ def test_negative_slots_store_nothing(rope_write):
 
 def test_rejects_what_it_does_not_handle(rope_write):
     qk, v, cos, sin, slots, k_cache, v_cache = case(torch.float32, 4, 8, 4, 32)
-    assert rope_write.handles(qk)
-    assert not rope_write.handles(qk.half())                        # float16
-    assert not rope_write.handles(torch.zeros(4, 12, 48))           # head_dim % 32
+    assert cpu.rope.supports(qk)
+    assert not cpu.rope.supports(qk.half())                         # float16
+    assert not cpu.rope.supports(torch.zeros(4, 12, 48))            # head_dim % 32
     bad = slots.clone()
     bad[2] = k_cache.shape[0] * k_cache.shape[1]                    # one past the cache
     with pytest.raises(ValueError, match="outside the cache"):
@@ -101,5 +101,5 @@ def test_engine_output_is_the_same_without_it(llama_dir, monkeypatch, dtype):
         return [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in outs]
 
     with_op = run()
-    monkeypatch.setattr(cpu_rope, "load", lambda: None)
+    monkeypatch.setattr(cpu.rope, "available", lambda: False)
     assert run() == with_op

@@ -1,4 +1,4 @@
-"""The CPU sampling kernel (kernels/cpu_sample.c) against the exact distribution its filters
+"""The CPU sampling kernel (kernels/cpu/sample.c) against the exact distribution its filters
 define, computed by sorting in float64: temperature, min_p, top_k, top_p and their
 combinations, masked tokens, degenerate rows, and per-row seeds."""
 from __future__ import annotations
@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchinfer.kernels import cpu_sample
+from batchinfer.kernels import cpu
 
 N = 40_000  # rows per distribution check
 
 
 @pytest.fixture(scope="module")
 def sample(built_or_skip):
-    return built_or_skip(cpu_sample.load(), "the CPU sampler")
+    return cpu.sample.SampleKernel(built_or_skip(cpu.sample, "the CPU sampler"))
 
 
 def exact(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,

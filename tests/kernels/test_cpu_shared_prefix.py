@@ -1,4 +1,4 @@
-"""The C shared-prefix attention kernel (kernels/shared_prefix_cpu.c) against attention in
+"""The C shared-prefix attention kernel (kernels/cpu/shared_prefix.c) against attention in
 float32: float32 inputs within float32 rounding, bfloat16 inputs as closely as torch's flash
 kernel gets on the same inputs."""
 from __future__ import annotations
@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchinfer.kernels import cpu_shared_prefix
+from batchinfer.kernels import cpu
 
 
 @pytest.fixture(scope="module")
 def kernel(built_or_skip):
     """The kernel with bfloat16 on wherever the CPU has the instructions, AMX hosts (which
     leave the work to torch's flash kernel) included."""
-    loaded = built_or_skip(cpu_shared_prefix.load(), "the shared-prefix kernel")
-    kernel = cpu_shared_prefix.CpuSharedPrefixKernel(loaded.path)
+    kernel = cpu.shared_prefix.SharedPrefixKernel(
+        built_or_skip(cpu.shared_prefix, "the shared-prefix kernel"))
     kernel.use_bf16 = kernel.bf16_instructions
     return kernel
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchinfer.kernels.fused_moe import BLOCK_M, fused_moe, plan_blocks
+from batchinfer.kernels.triton.fused_moe import BLOCK_M, fused_moe, plan_blocks
 from batchinfer.model.moe import SparseMoE
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

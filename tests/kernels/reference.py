@@ -1,4 +1,4 @@
-"""Plain PyTorch references for the Triton kernels: gather each sequence's context from
+"""Plain PyTorch references for the attention kernels: gather each sequence's context from
 its blocks, then ordinary masked softmax attention in float32, one sequence at a time.
 Slow and simple on purpose; tests compare the kernels against these."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Building the C kernels for CPUs (kernels/*.c) on first use.
+"""Building the C kernels for CPUs (kernels/cpu/*.c) on first use.
 
 Each source is compiled with GCC at -O3 -march=native with OpenMP and linked to the
 libgomp torch itself loaded, so the kernels run on torch's threads: a second OpenMP runtime

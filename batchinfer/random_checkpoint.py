@@ -6,7 +6,7 @@ corpus shipped in :mod:`batchinfer.data`, and random safetensors weights written
 transformers' own model class. Nothing is downloaded; the same arguments always produce
 byte-identical files.
 
-    python -m batchinfer.model.random_checkpoint OUT --shape tiny
+    python -m batchinfer.random_checkpoint OUT --shape tiny
 """
 from __future__ import annotations
 
@@ -434,7 +434,7 @@ def build_random_checkpoint(out_dir: str | Path, shape: str | Mapping[str, Any],
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m batchinfer.model.random_checkpoint",
+        prog="python -m batchinfer.random_checkpoint",
         description="Write a random-weight Hugging Face checkpoint (config, tokenizer, "
                     "safetensors). Its output text is meaningless.")
     parser.add_argument("out_dir", type=Path, help="directory to write (created if missing)")

@@ -1,13 +1,13 @@
-"""Random sampling from float32 or bfloat16 logits on CPUs (cpu_sample.c), built by cpu_build.py and
-called through ctypes.
+"""Random sampling from float32 or bfloat16 logits on CPUs (sample.c), built by build.py
+and called through ctypes.
 
 torch's way, dividing by the temperature, a softmax, exponential noise for every logit,
 and a full sort of each row for top_k or top_p, takes about 1.1 s (temperature alone) to
 3.4 s (with top_p) for 256 rows of a 151,936-token vocabulary on two cores; this takes each
-row in about three passes over its logits, sorting nothing (see cpu_sample.c). The result
+row in about three passes over its logits, sorting nothing (see sample.c). The result
 has the same distribution, from other random numbers: one 64-bit seed per row and step,
-drawn from the row's torch generator. load() gives None where the library cannot be built,
-and the sampler keeps to torch.
+drawn from the row's torch generator. Where the library cannot be built, available() is
+false and the sampler keeps to torch.
 """
 from __future__ import annotations
 
@@ -16,15 +16,15 @@ from pathlib import Path
 
 import torch
 
-from . import cpu_build
+from . import build
 
-SOURCE = Path(__file__).with_name("cpu_sample.c")
+SOURCE = Path(__file__).with_name("sample.c")
 
 
-class CpuSample:
+class SampleKernel:
     def __init__(self, path: Path):
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._fns = cpu_build.entry_points(
+        self._fns = build.entry_points(
             ctypes.CDLL(str(path)), {torch.float32: "sample_f32", torch.bfloat16: "sample_bf16"},
             [p, i64, i64, i64, p, p, p, p, p, p], ctypes.c_int)
 
@@ -50,6 +50,24 @@ class CpuSample:
         return out
 
 
-def load() -> CpuSample | None:
-    """The sampler, built on first use; None when it cannot be built here or is switched off."""
-    return cpu_build.load(SOURCE, CpuSample)
+def _kernel() -> SampleKernel | None:
+    return build.load(SOURCE, SampleKernel)
+
+
+def available() -> bool:
+    """Whether the kernel is built here (on first use) and not switched off
+    (BATCHINFER_CPU_KERNELS=0)."""
+    return _kernel() is not None
+
+
+def supports(logits: torch.Tensor) -> bool:
+    """Whether the kernel takes logits: available, float32 or bfloat16 [rows, vocab] on the
+    CPU with each row contiguous."""
+    return (logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16)
+            and logits.dim() == 2 and logits.stride(1) == 1 and available())
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+           top_p: torch.Tensor, min_p: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    """One token per row (SampleKernel.__call__), for logits supports() takes."""
+    return _kernel()(logits, temperature, top_k, top_p, min_p, seeds)

@@ -1,5 +1,5 @@
-"""The C prefill-attention kernel for CPUs (prefill_attn_cpu.c), built by cpu_build.py and
-called through ctypes.
+"""The C prefill-attention kernel for CPUs (prefill.c), built by build.py and called
+through ctypes.
 
 torch's flash kernel runs each prompt chunk as its own small problem, where its per-block
 set-up outweighs the arithmetic (about 2 ns per query-key pair at 100-token chunks, against
@@ -7,8 +7,8 @@ set-up outweighs the arithmetic (about 2 ns per query-key pair at 100-token chun
 keys in place from the paged cache, and can start from a cascade's shared-prefix result.
 Long bfloat16 chunks run on the CPU's bfloat16 dot products on AMD CPUs that have them
 (see DOT_MIN_KEY_ELEMENTS); on CPUs with AMX they are left to torch's flash kernel (see
-FLASH_MIN_KEYS_X_DIM2). When it cannot be built (see cpu_build.py), load() returns
-None and the torch path runs.
+FLASH_MIN_KEYS_X_DIM2). Where it cannot be built (see build.py), available() is false
+and the torch path runs.
 """
 from __future__ import annotations
 
@@ -17,13 +17,13 @@ from pathlib import Path
 
 import torch
 
-from . import cpu_build
+from . import build
 
-SOURCE = Path(__file__).with_name("prefill_attn_cpu.c")
-MAX_GROUP = 16          # query heads per KV head (prefill_attn_cpu.c: MAX_GROUP)
+SOURCE = Path(__file__).with_name("prefill.c")
+MAX_GROUP = 16          # query heads per KV head (prefill.c: MAX_GROUP)
 MAX_HEAD_DIM = 256
 # bfloat16 chunks with (keys x head_dim) from this on take the AVX512-BF16 micro-kernel
-# where the CPU has it (prefill_attn_cpu.c: DOT_MIN_KEY_ELEMENTS)
+# where the CPU has it (prefill.c: DOT_MIN_KEY_ELEMENTS)
 DOT_MIN_KEY_ELEMENTS = 16384
 # On CPUs with AMX, bfloat16 chunks with keys x head_dim^2 from this on are left to torch's
 # flash kernel. Measured on a 2-core AMX Xeon VM, about 4096 tokens in equal chunks of
@@ -39,8 +39,8 @@ FLASH_MIN_KEYS_X_DIM2 = 1 << 21
 FLASH_MIN_QUERIES = 32
 
 
-class CpuPrefillKernel:
-    """prefill_attn_cpu.c's entry points, with the argument checks that keep it in bounds."""
+class PrefillKernel:
+    """prefill.c's entry points, with the argument checks that keep it in bounds."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -50,12 +50,12 @@ class CpuPrefillKernel:
         # where they issue twice the multiply-adds of float32 FMAs; on Intel's they were
         # no faster (see the C source)
         self.dot_instructions = bool(lib.prefill_bf16_dot_available())
-        self.bf16_dot = self.dot_instructions and "AuthenticAMD" in cpu_build.cpu_identity()
+        self.bf16_dot = self.dot_instructions and "AuthenticAMD" in build.cpu_identity()
         # On CPUs with AMX, torch's flash kernel runs a long bfloat16 chunk's products on the
         # matrix units and beats both forms here; the caller leaves it the chunks with
         # keys x head_dim^2 at least this (FLASH_MIN_KEYS_X_DIM2), None elsewhere.
-        self.flash_min_keys_x_dim2 = FLASH_MIN_KEYS_X_DIM2 if cpu_build.has_amx() else None
-        self._fns = cpu_build.entry_points(
+        self.flash_min_keys_x_dim2 = FLASH_MIN_KEYS_X_DIM2 if build.has_amx() else None
+        self._fns = build.entry_points(
             lib,
             {torch.float32: "prefill_attn_f32", torch.bfloat16: "prefill_attn_bf16"},
             [p, i64, p, p, p, i64, i64, p, i64, i64, i64, i64, ctypes.c_float,
@@ -148,6 +148,34 @@ class CpuPrefillKernel:
                              if rc == 1 else "cpu prefill kernel: out of memory")
 
 
-def load() -> CpuPrefillKernel | None:
-    """The kernel, built on first use; None when it cannot be built here or is switched off."""
-    return cpu_build.load(SOURCE, CpuPrefillKernel)
+def _kernel() -> PrefillKernel | None:
+    return build.load(SOURCE, PrefillKernel)
+
+
+def available() -> bool:
+    """Whether the kernel is built here (on first use) and not switched off
+    (BATCHINFER_CPU_KERNELS=0)."""
+    return _kernel() is not None
+
+
+def supports(query: torch.Tensor, num_kv_heads: int) -> bool:
+    """Whether the kernel takes query [T, H, D] against num_kv_heads KV heads: available,
+    on the CPU, of a dtype and head shape it handles."""
+    return (query.device.type == "cpu" and available()
+            and _kernel().supports(query.dtype, query.shape[1], num_kv_heads, query.shape[2]))
+
+
+def flash_min_keys_x_dim2() -> int | None:
+    """On CPUs with AMX: bfloat16 chunks with keys x head_dim^2 at least this are left to
+    torch's flash kernel (FLASH_MIN_KEYS_X_DIM2); None elsewhere."""
+    kernel = _kernel()
+    return kernel.flash_min_keys_x_dim2 if kernel is not None else None
+
+
+def attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              block_tables: torch.Tensor, chunks: torch.Tensor, scale: float,
+              out: torch.Tensor, lse: torch.Tensor | None = None,
+              init: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Prefill attention by the kernel (PrefillKernel.__call__), for a query supports()
+    takes."""
+    _kernel()(query, k_cache, v_cache, block_tables, chunks, scale, out, lse, init)

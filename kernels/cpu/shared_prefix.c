@@ -1,15 +1,15 @@
 /* Attention of many query rows over one set of keys, for CPUs: the shared part of a
  * cascade, where every sequence of a step that shares a cached prefix sees all of its keys
- * (no mask). kernels/cpu_build.py compiles it on first use; kernels/cpu_shared_prefix.py
+ * (no mask). kernels/cpu/build.py compiles it on first use; kernels/cpu/shared_prefix.py
  * checks the arguments and calls it through ctypes.
  *
  * The keys are few (a system prompt) and the query rows many (every token of the step
  * times its group): two small matrix products with a softmax between them, built from
- * cpu_dot_attn.h's micro-kernel. Each KV head's keys are laid out once per call (see
+ * dot_attn.h's micro-kernel. Each KV head's keys are laid out once per call (see
  * prepare); blocks of DOT_ROWS query rows then take them DOT_KEY_BLOCK keys at a time,
  * the softmax online across blocks.
  *
- * float32 needs nothing beyond the vector extensions of cpu_vec.h. bfloat16 needs the
+ * float32 needs nothing beyond the vector extensions of vec.h. bfloat16 needs the
  * AVX512-BF16 instructions: without them its entry point returns 1 and the caller keeps
  * to torch's flash kernel.
  */
@@ -17,7 +17,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "cpu_dot_attn.h"
+#include "dot_attn.h"
 
 #define ITEM_ROWS 48    /* query rows per work item */
 

@@ -1,6 +1,6 @@
 /* Causal attention of prompt chunks for CPUs: each chunk's query tokens against its keys in
- * the paged cache, read in place. kernels/cpu_build.py compiles it on first use;
- * kernels/cpu_prefill.py checks the arguments and calls it through ctypes.
+ * the paged cache, read in place. kernels/cpu/build.py compiles it on first use;
+ * kernels/cpu/prefill.py checks the arguments and calls it through ctypes.
  *
  * Cache layout as for the decode kernel: [num_blocks, block_size, num_kv_heads, head_dim];
  * position p of sequence s is row p % block_size of block block_tables[s, p / block_size].
@@ -26,7 +26,7 @@
  * float32 throughout, for float32 and bfloat16 caches alike; except that bfloat16 chunks
  * with long enough contexts, on AMD CPUs with AVX512-BF16 (Zen 4 and later, where its
  * paired dot product runs twice the multiply-adds of float32 FMAs), run as small matrix
- * products on it instead (prefill_item_dot, on cpu_dot_attn.h's micro-kernel; from about a
+ * products on it instead (prefill_item_dot, on dot_attn.h's micro-kernel; from about a
  * thousand keys on 1.5-1.7x faster at head_dim 64 and 128, 1.2-1.3x at 32). On an Intel
  * Xeon with AMX the dot product was no faster than float32 FMAs (it issues at half their
  * rate), and AMX tiles for the two products gained about 1% end to end.
@@ -39,8 +39,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu_dot_attn.h"
-#include "cpu_vec.h"
+#include "dot_attn.h"
+#include "vec.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -298,7 +298,7 @@ INLINE int prefill_item(
     return 0;
 }
 
-/* bfloat16 keys [k0, k0 + n) of KV head h (head_off = h * D) laid out for cpu_dot_attn.h,
+/* bfloat16 keys [k0, k0 + n) of KV head h (head_off = h * D) laid out for dot_attn.h,
  * padded with zeros to kpad (n rounded up to 64): K's pairs of dimensions key-major
  * ([D/2][kpad] words; 16 keys x 16 words at a time, transposed in registers), V's pairs of
  * keys ([kpad/2][D] words). D is a multiple of 32. */
@@ -357,7 +357,7 @@ INLINE void row_out(const dot_rows *st, int r, float *o, float *m, float *l, int
 #define DOT_MIN_KEY_ELEMENTS 16384
 
 /* prefill_item for bfloat16 on CPUs with AVX512-BF16 (and head_dim a multiple of 32): the
- * same work item as two small products per block of keys on cpu_dot_attn.h's micro-kernel,
+ * same work item as two small products per block of keys on dot_attn.h's micro-kernel,
  * whose paired dot products run twice the multiply-adds of float32 FMAs. Each block of up
  * to DOT_KEY_BLOCK keys is laid out once for the item; the item's rows then take it
  * DOT_ROWS at a time, each stopping at the last key its last row sees, their softmax state

@@ -1,11 +1,10 @@
-"""Rotary embedding plus KV-cache write in one C pass for CPUs (cpu_rope.c), built by
-cpu_build.py and called through ctypes.
+"""Rotary embedding plus KV-cache write in one C pass for CPUs (rope.c), built by build.py
+and called through ctypes.
 
 torch rotates q and k in about five passes and copies k and v into the cache in two more;
 this does it all in one, with torch's rounding (the same bits). It applies to float32 and
-bfloat16 tensors on the CPU whose head_dim is a multiple of 32; for anything else, or when
-the library cannot be built, load() gives None or handles() False, and the model keeps to
-torch.
+bfloat16 tensors on the CPU whose head_dim is a multiple of 32; for anything else, or where
+the library cannot be built, supports() is false and the model keeps to torch.
 """
 from __future__ import annotations
 
@@ -14,21 +13,21 @@ from pathlib import Path
 
 import torch
 
-from . import cpu_build
+from . import build
 
-SOURCE = Path(__file__).with_name("cpu_rope.c")
+SOURCE = Path(__file__).with_name("rope.c")
 
 
-class CpuRope:
+class RopeKernel:
     def __init__(self, path: Path):
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._fns = cpu_build.entry_points(
+        self._fns = build.entry_points(
             ctypes.CDLL(str(path)),
             {torch.float32: "rope_write_f32", torch.bfloat16: "rope_write_bf16"},
             [p, i64, p, i64, p, p, p, p, p, p, i64, i64, i64, i64], None)
         self._checked: tuple[torch.Tensor, int] | None = None  # slot mapping last validated
 
-    def handles(self, qk: torch.Tensor) -> bool:
+    def supports(self, qk: torch.Tensor) -> bool:
         """qk [tokens, heads, head_dim] of a type and head size the C code takes."""
         return (qk.device.type == "cpu" and qk.dtype in self._fns and qk.dim() == 3
                 and qk.shape[2] % 32 == 0)
@@ -52,7 +51,7 @@ class CpuRope:
         num_kv_heads = k_cache.shape[2]
         num_heads = heads - num_kv_heads
         dtype = qk.dtype
-        if not (self.handles(qk) and num_heads > 0
+        if not (self.supports(qk) and num_heads > 0
                 and all(t.device.type == "cpu" and t.dtype == dtype
                         for t in (v, cos, sin, k_cache, v_cache))
                 and qk.stride(2) == 1 and qk.stride(1) == head_dim
@@ -74,6 +73,25 @@ class CpuRope:
         return q
 
 
-def load() -> CpuRope | None:
-    """The op, built on first use; None when it cannot be built here or is switched off."""
-    return cpu_build.load(SOURCE, CpuRope)
+def _kernel() -> RopeKernel | None:
+    return build.load(SOURCE, RopeKernel)
+
+
+def available() -> bool:
+    """Whether the kernel is built here (on first use) and not switched off
+    (BATCHINFER_CPU_KERNELS=0)."""
+    return _kernel() is not None
+
+
+def supports(qk: torch.Tensor) -> bool:
+    """Whether the kernel takes qk [tokens, heads, head_dim]: available, on the CPU,
+    float32 or bfloat16, head_dim a multiple of 32."""
+    return qk.device.type == "cpu" and available() and _kernel().supports(qk)
+
+
+def rotate_and_write(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+                     ) -> torch.Tensor:
+    """q and k rotated, k and v written to the cache, q returned (RopeKernel.__call__),
+    for a qk supports() takes."""
+    return _kernel()(qk, v, cos, sin, slots, k_cache, v_cache)

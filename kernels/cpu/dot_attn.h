@@ -1,6 +1,6 @@
 /* Attention of a few query rows over a block of keys as two small matrix products with the
  * softmax between them, written the way a GEMM micro-kernel is: the pieces that
- * shared_prefix_cpu.c (a cascade's shared prefix) and prefill_attn_cpu.c (bfloat16 prompt
+ * shared_prefix.c (a cascade's shared prefix) and prefill.c (bfloat16 prompt
  * chunks) build their loops from.
  *
  * Keys come laid out by the caller, per KV head: in float32 as K^T ([D][keys]) and V
@@ -26,7 +26,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "cpu_vec.h"
+#include "vec.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>

@@ -1,7 +1,7 @@
 /* Rotary embedding and KV-cache write in one pass for CPUs: each token's q and k heads are
  * rotated by its cos/sin, q goes to a new tensor, and k and v go straight to the token's
  * cache slot. torch runs the same as about seven passes (products, negation, concatenation,
- * sum, two index copies). kernels/cpu_rope.py builds this file on first use and calls it
+ * sum, two index copies). kernels/cpu/rope.py builds this file on first use and calls it
  * through ctypes.
  *
  * The arithmetic is torch's, rounding where it rounds: out = x * cos + rotate_half(x) * sin
@@ -14,7 +14,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "cpu_vec.h"
+#include "vec.h"
 
 static inline f32x16 round_to(f32x16 v, int bf16) { return bf16 ? round_bf16(v) : v; }
 

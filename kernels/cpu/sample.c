@@ -1,6 +1,6 @@
 /* Random sampling from float32 or bfloat16 logits for CPUs: temperature, min_p, top_k and
  * top_p, one row per work item, without sorting the vocabulary and with one random stream
- * per row. kernels/cpu_build.py compiles it on first use; kernels/cpu_sample.py checks the
+ * per row. kernels/cpu/build.py compiles it on first use; kernels/cpu/sample.py checks the
  * arguments and calls it through ctypes.
  *
  * A row's weights w = exp((z - max z) / T) are computed once into per-thread scratch (so
@@ -25,7 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cpu_vec.h"
+#include "vec.h"
 
 static inline uint64_t splitmix64(uint64_t *state) {
     uint64_t z = (*state += 0x9e3779b97f4a7c15ull);

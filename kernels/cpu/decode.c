@@ -1,6 +1,6 @@
 /* Paged decode attention for CPUs: one query token per sequence, keys and values read in
- * place from the paged cache, with no gather and no padding. kernels/cpu_build.py compiles
- * it on first use; kernels/cpu_decode.py checks the arguments and calls it through ctypes.
+ * place from the paged cache, with no gather and no padding. kernels/cpu/build.py compiles
+ * it on first use; kernels/cpu/decode.py checks the arguments and calls it through ctypes.
  *
  * Cache layout: [num_blocks, block_size, num_kv_heads, head_dim]. Sequence t's key at
  * position p is row p % block_size of block block_tables[t, p / block_size]; the sequence
@@ -33,7 +33,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "cpu_vec.h"
+#include "vec.h"
 
 /* Every helper is inlined, so each specialised walk is straight code with constant bounds
  * (left to its own heuristics, GCC stopped inlining helpers once the walks grew). */

@@ -1,7 +1,7 @@
 /* Log-probabilities from float32 or bfloat16 logits for CPUs: for each row, the top k
  * entries of its log-softmax (ids and values, largest first, ties by index) and the value
  * and rank of one given token (the sampled one), without writing the log-softmax of the
- * whole vocabulary. kernels/cpu_build.py compiles it on first use; kernels/cpu_logprobs.py
+ * whole vocabulary. kernels/cpu/build.py compiles it on first use; kernels/cpu/logprobs.py
  * checks the arguments and calls it through ctypes.
  *
  * A row takes three passes over its logits z, one row per work item: the maximum m; the
@@ -16,7 +16,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "cpu_vec.h"
+#include "vec.h"
 
 #define MAX_K 64  /* larger k is left to torch */
 

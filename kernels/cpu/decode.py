@@ -1,10 +1,10 @@
-"""The C paged-decode kernel for CPUs (paged_decode_cpu.c), built by cpu_build.py and
-called through ctypes.
+"""The C paged-decode kernel for CPUs (decode.c), built by build.py and called through
+ctypes.
 
 The CPU attention path otherwise gathers every decoding sequence's K/V into a padded copy
 per layer and runs torch's flash kernel on it; this kernel reads the blocks in place, which
-on a memory-bound CPU roughly halves decode attention time. When it cannot be built (see
-cpu_build.py), load() returns None and the torch path runs instead.
+on a memory-bound CPU roughly halves decode attention time. Where it cannot be built (see
+build.py), available() is false and the torch path runs instead.
 """
 from __future__ import annotations
 
@@ -13,20 +13,20 @@ from pathlib import Path
 
 import torch
 
-from . import cpu_build
+from . import build
 
-SOURCE = Path(__file__).with_name("paged_decode_cpu.c")
-MAX_GROUP = 16          # query heads per KV head (paged_decode_cpu.c: MAX_GROUP)
+SOURCE = Path(__file__).with_name("decode.c")
+MAX_GROUP = 16          # query heads per KV head (decode.c: MAX_GROUP)
 MAX_HEAD_DIM = 256      # 16 * MAX_CHUNKS
 
 
-class CpuDecodeKernel:
-    """paged_decode_cpu.c's entry points, with the argument checks that keep it in bounds."""
+class DecodeKernel:
+    """decode.c's entry points, with the argument checks that keep it in bounds."""
 
     def __init__(self, path: Path):
         self.path = path
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._fns = cpu_build.entry_points(
+        self._fns = build.entry_points(
             ctypes.CDLL(str(path)),
             {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"},
             [p, i64, p, p, p, i64, p, p, i64, i64, i64, i64, i64, ctypes.c_float,
@@ -103,6 +103,26 @@ class CpuDecodeKernel:
             raise ValueError(f"cpu decode kernel rejected group={group} head_dim={head_dim}")
 
 
-def load() -> CpuDecodeKernel | None:
-    """The kernel, built on first use; None when it cannot be built here or is switched off."""
-    return cpu_build.load(SOURCE, CpuDecodeKernel)
+def _kernel() -> DecodeKernel | None:
+    return build.load(SOURCE, DecodeKernel)
+
+
+def available() -> bool:
+    """Whether the kernel is built here (on first use) and not switched off
+    (BATCHINFER_CPU_KERNELS=0)."""
+    return _kernel() is not None
+
+
+def supports(query: torch.Tensor, num_kv_heads: int) -> bool:
+    """Whether the kernel takes query [T, H, D] against num_kv_heads KV heads: available,
+    on the CPU, of a dtype and head shape it handles."""
+    return (query.device.type == "cpu" and available()
+            and _kernel().supports(query.dtype, query.shape[1], num_kv_heads, query.shape[2]))
+
+
+def attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              block_tables: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, scale: float,
+              out: torch.Tensor, lse: torch.Tensor | None,
+              init: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Decode attention by the kernel (DecodeKernel.__call__), for a query supports() takes."""
+    _kernel()(query, k_cache, v_cache, block_tables, lo, hi, scale, out, lse, init)

@@ -1,5 +1,5 @@
-"""The C shared-prefix attention kernel for CPUs (shared_prefix_cpu.c), built by
-cpu_build.py and called through ctypes.
+"""The C shared-prefix attention kernel for CPUs (shared_prefix.c), built by build.py and
+called through ctypes.
 
 A cascade's shared part is every query row of a step against one short run of keys (the
 cached prefix they all share), with no mask. torch's flash kernel takes it at a fraction of
@@ -10,8 +10,8 @@ bfloat16 dot-product instructions (SmolLM2's heads on a 2-core Zen 4, 256 shared
 128 decodes). float32 runs anywhere; bfloat16 on CPUs with those instructions
 (AVX512-BF16) and without AMX. With AMX, torch's flash kernel runs its products on the
 matrix units and wins: on a 2-core AMX Xeon the bench's SmolLM2 workload spent 0.64 s in
-flash against 2.07 s in this kernel. Elsewhere, or when it cannot be built (see
-cpu_build.py), load() returns None or supports() is false, and the torch path runs.
+flash against 2.07 s in this kernel. Elsewhere, or where it cannot be built (see
+build.py), supports() is false and the torch path runs.
 """
 from __future__ import annotations
 
@@ -21,20 +21,20 @@ from pathlib import Path
 
 import torch
 
-from . import cpu_build
+from . import build
 
-SOURCE = Path(__file__).with_name("shared_prefix_cpu.c")
+SOURCE = Path(__file__).with_name("shared_prefix.c")
 MAX_HEAD_DIM = 256
 
 
-class CpuSharedPrefixKernel:
-    """shared_prefix_cpu.c's entry points, with the argument checks that keep it in bounds."""
+class SharedPrefixKernel:
+    """shared_prefix.c's entry points, with the argument checks that keep it in bounds."""
 
     def __init__(self, path: Path):
         self.path = path
         lib = ctypes.CDLL(str(path))
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._fns = cpu_build.entry_points(
+        self._fns = build.entry_points(
             lib, {torch.float32: "shared_prefix_f32", torch.bfloat16: "shared_prefix_bf16"},
             [p, i64, p, p, i64, i64, i64, i64, i64, ctypes.c_float, p, p, p], ctypes.c_int)
         self.bf16_instructions = bool(lib.shared_prefix_bf16_available())
@@ -42,7 +42,7 @@ class CpuSharedPrefixKernel:
             del self._fns[torch.bfloat16]
         # where the CPU has AMX, torch's flash kernel runs its bfloat16 products on the
         # matrix units and is left the work
-        self.use_bf16 = self.bf16_instructions and not cpu_build.has_amx()
+        self.use_bf16 = self.bf16_instructions and not build.has_amx()
         self._scratch_words = lib.shared_prefix_scratch_words
         self._scratch_words.argtypes, self._scratch_words.restype = [i64, i64, i64, i64], i64
         # the keys laid out, reused across calls: one buffer per thread, since the call
@@ -86,6 +86,27 @@ class CpuSharedPrefixKernel:
         return out, lse
 
 
-def load() -> CpuSharedPrefixKernel | None:
-    """The kernel, built on first use; None when it cannot be built here or is switched off."""
-    return cpu_build.load(SOURCE, CpuSharedPrefixKernel)
+def _kernel() -> SharedPrefixKernel | None:
+    return build.load(SOURCE, SharedPrefixKernel)
+
+
+def available() -> bool:
+    """Whether the kernel is built here (on first use) and not switched off
+    (BATCHINFER_CPU_KERNELS=0)."""
+    return _kernel() is not None
+
+
+def supports(query: torch.Tensor, num_kv_heads: int) -> bool:
+    """Whether the kernel takes query [T, H, D] against num_kv_heads KV heads: available,
+    on the CPU, of a dtype and head shape it handles, each token's heads contiguous (the
+    tokens may be strided)."""
+    return (query.device.type == "cpu" and available()
+            and query.stride(2) == 1 and query.stride(1) == query.shape[2]
+            and _kernel().supports(query.dtype, query.shape[1], num_kv_heads, query.shape[2]))
+
+
+def attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over the shared prefix by the kernel (SharedPrefixKernel.__call__), for a
+    query supports() takes."""
+    return _kernel()(query, k, v, scale)

@@ -1,12 +1,12 @@
-"""Log-probabilities from float32 or bfloat16 logits on CPUs (cpu_logprobs.c), built by
-cpu_build.py and called through ctypes.
+"""Log-probabilities from float32 or bfloat16 logits on CPUs (logprobs.c), built by build.py
+and called through ctypes.
 
 What a request's `logprobs` asks of every step: the top k of each row's log-softmax and
 the sampled token's value and rank. torch's way writes the whole [rows, vocab]
 log-softmax and reads it three more times, about 0.23 s a step for 256 rows of a
 151,936-token vocabulary on two cores; this reads each row three times and writes only
-what is asked for (see cpu_logprobs.c). load() gives None where the library cannot be
-built, and the sampler keeps to torch.
+what is asked for (see logprobs.c). Where the library cannot be built, available() is
+false and the sampler keeps to torch.
 """
 from __future__ import annotations
 
@@ -15,16 +15,16 @@ from pathlib import Path
 
 import torch
 
-from . import cpu_build
+from . import build
 
-SOURCE = Path(__file__).with_name("cpu_logprobs.c")
+SOURCE = Path(__file__).with_name("logprobs.c")
 
 
-class CpuLogprobs:
+class LogprobsKernel:
     def __init__(self, path: Path):
         lib = ctypes.CDLL(str(path))
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._fns = cpu_build.entry_points(
+        self._fns = build.entry_points(
             lib, {torch.float32: "logprobs_f32", torch.bfloat16: "logprobs_bf16"},
             [p, i64, i64, i64, i64, p, p, p, p, p], None)
         lib.logprobs_max_k.restype = ctypes.c_int
@@ -59,6 +59,30 @@ class CpuLogprobs:
         return ids, values, ranks, bad.bool()
 
 
-def load() -> CpuLogprobs | None:
-    """The kernel, built on first use; None when it cannot be built here or is switched off."""
-    return cpu_build.load(SOURCE, CpuLogprobs)
+def _kernel() -> LogprobsKernel | None:
+    return build.load(SOURCE, LogprobsKernel)
+
+
+def available() -> bool:
+    """Whether the kernel is built here (on first use) and not switched off
+    (BATCHINFER_CPU_KERNELS=0)."""
+    return _kernel() is not None
+
+
+def max_k() -> int:
+    """The largest k the kernel takes (0 where it is not available)."""
+    kernel = _kernel()
+    return kernel.max_k if kernel is not None else 0
+
+
+def supports(logits: torch.Tensor, k: int) -> bool:
+    """Whether the kernel takes logits and k: available, float32 or bfloat16 [rows, vocab]
+    on the CPU with each row contiguous, k at most max_k() and vocab."""
+    return logits.device.type == "cpu" and available() and _kernel().supports(logits, k)
+
+
+def logprobs(logits: torch.Tensor, k: int, tokens: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, values, ranks, bad) of each row (LogprobsKernel.__call__), for logits and k
+    supports() takes."""
+    return _kernel()(logits, k, tokens)

@@ -1,6 +1,6 @@
 /* Fused elementwise operations for models on CPUs, where torch runs each step as its own
  * pass over memory (for bfloat16, converting to float32 and back every time; for float32,
- * with a temporary tensor between steps). batchinfer's kernels/cpu_ops.py builds this file
+ * with a temporary tensor between steps). batchinfer's kernels/cpu/ops.py builds this file
  * on first use and calls it through ctypes.
  *
  * For bfloat16 each function rounds where torch's sequence of bfloat16 operations rounds,
@@ -15,7 +15,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "cpu_vec.h"
+#include "vec.h"
 
 /* Rows are walked 32 elements at a time as even and odd halves (load_bf16x2), with a last
  * 16 in order when n is an odd multiple of 16. */

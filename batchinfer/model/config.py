@@ -1,0 +1,246 @@
+"""The model's configuration as the layers read it, built once from its Hugging Face config.
+
+Every supported architecture's differences are resolved here into plain fields: head_dim
+and query scale defaults, Qwen2's q/k/v biases, Qwen3's and Gemma 3's per-head q/k norms,
+Gemma 3's norms, sandwich layers and scaled embeddings, which layers see a sliding window,
+each layer's rope settings (Gemma 3: its own per layer type) and the mixture-of-experts
+blocks of Mixtral and Qwen3-MoE. A vision-language checkpoint gives its text decoder's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from batchinfer.model.rope import SUPPORTED_ROPE_TYPES
+
+
+@dataclass(frozen=True)
+class _Arch:
+    """What distinguishes one supported architecture from another."""
+    qkv_bias: bool = False   # q, k and v projections carry a bias whatever attention_bias says
+    qk_norm: bool = False    # an RMSNorm over each head of q and of k
+    sliding: str = "none"    # where sliding_window applies: "none", "all", "layer_types"
+    gemma: bool = False      # Gemma's norms, sandwich layers and scaled embeddings
+
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": _Arch(),
+    "MistralForCausalLM": _Arch(sliding="all"),
+    "Qwen2ForCausalLM": _Arch(qkv_bias=True, sliding="layer_types"),
+    "Qwen3ForCausalLM": _Arch(qk_norm=True, sliding="layer_types"),
+    # mixtures of experts (batchinfer.model.moe)
+    "MixtralForCausalLM": _Arch(sliding="all"),
+    "Qwen3MoeForCausalLM": _Arch(qk_norm=True, sliding="layer_types"),
+    # q/k/v and gate/up stored fused; a sliding window on every layer when one is set
+    "Phi3ForCausalLM": _Arch(sliding="all"),
+    # q/k norm, sliding and full attention layers with rope of their own, GELU
+    "Gemma3ForCausalLM": _Arch(qk_norm=True, sliding="layer_types", gemma=True),
+}
+# the architecture of a config that names none, by its model_type
+_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "phi3": "Phi3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                  "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+# vision-language checkpoints whose text decoder runs here (text prompts only)
+LANGUAGE_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+
+
+@dataclass(frozen=True)
+class LayerConfig:
+    sliding_window: int | None  # the most recent keys a query sees; None: all of them
+    rope: str                   # the layer's rotary table: a key of ModelConfig.rope
+    moe: bool                   # a mixture-of-experts block instead of the dense MLP
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int
+    top_k: int                     # experts per token
+    intermediate_size: int         # each expert's
+    normalize: bool                # the top k routing weights rescaled to sum to 1
+    weights_in_model_dtype: bool   # routing weights rounded to the model's dtype (Qwen3-MoE)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    hidden_act: str
+    attention_scale: float        # of q.k: query_pre_attn_scalar (else head_dim) ** -0.5
+    qkv_bias: bool
+    o_proj_bias: bool
+    qk_norm: bool
+    gemma_norms: bool             # norm weights are offsets from 1, applied in float32
+    sandwich_norms: bool          # sublayer outputs normed again, the MLP's input too
+    embed_scale: float | None     # embeddings multiplied by it (Gemma: sqrt(hidden_size))
+    tie_word_embeddings: bool
+    rope: dict[str, dict]         # rope settings by table (rope.RotaryEmbedding's params)
+    short_context_limit: int | None  # LongRoPE: the context its short factors cover
+    layers: tuple[LayerConfig, ...]
+    moe: MoEConfig | None
+    dtype: Any                    # the checkpoint's, as its config gives it (or None)
+    eos_token_id: int | list[int] | None
+
+    @classmethod
+    def from_hf(cls, hf_config) -> ModelConfig:
+        """The engine's view of a transformers config (a vision-language checkpoint's: its
+        text decoder's). ValueError for an architecture or a setting not implemented here."""
+        config, architecture = _text_config(hf_config)
+        architecture = architecture or _architecture(config)
+        arch = ARCHITECTURES[architecture]
+        _check(config)
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        rope_keys = [_rope_key(config, i) for i in range(config.num_hidden_layers)]
+        full = _rope_parameters(config)
+        moe = _moe(config)
+        layers = tuple(LayerConfig(_sliding_window(config, arch, i), rope_keys[i],
+                                   moe is not None and _moe_layer(config, i))
+                       for i in range(config.num_hidden_layers))
+        # a vision-language checkpoint sets its dtype and stop ids on the outer config only
+        outer = hf_config if hf_config is not config else None
+        dtype_source = outer if getattr(outer, "dtype", None) is not None else config
+        eos = getattr(outer, "eos_token_id", None)
+        return cls(
+            architecture=architecture,
+            model_type=config.model_type,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_hidden_layers=config.num_hidden_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            max_position_embeddings=config.max_position_embeddings,
+            rms_norm_eps=config.rms_norm_eps,
+            hidden_act=(getattr(config, "hidden_activation", None)
+                        or getattr(config, "hidden_act", "silu")),
+            attention_scale=(getattr(config, "query_pre_attn_scalar", None) or head_dim) ** -0.5,
+            qkv_bias=arch.qkv_bias or attention_bias,
+            o_proj_bias=attention_bias and not arch.qkv_bias,
+            qk_norm=arch.qk_norm,
+            gemma_norms=arch.gemma,
+            sandwich_norms=arch.gemma,
+            embed_scale=config.hidden_size ** 0.5 if arch.gemma else None,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            rope={key: _rope_parameters(config, key) for key in sorted(set(rope_keys))},
+            short_context_limit=(full["original_max_position_embeddings"]
+                                 if full["rope_type"] == "longrope" else None),
+            layers=layers,
+            moe=moe,
+            dtype=getattr(dtype_source, "dtype", None) or getattr(dtype_source, "torch_dtype", None),
+            eos_token_id=eos if eos is not None else getattr(config, "eos_token_id", None),
+        )
+
+
+def _text_config(hf_config) -> tuple[Any, str | None]:
+    """(the config the engine runs, its architecture where the checkpoint implies one): a
+    vision-language checkpoint's text config and decoder, or the config itself."""
+    for arch in getattr(hf_config, "architectures", None) or []:
+        if arch in LANGUAGE_MODELS and getattr(hf_config, "text_config", None) is not None:
+            return hf_config.text_config, LANGUAGE_MODELS[arch]
+    return hf_config, None
+
+
+def _architecture(config) -> str:
+    archs = getattr(config, "architectures", None) or []
+    for arch in archs or [_BY_MODEL_TYPE.get(getattr(config, "model_type", ""), "")]:
+        if arch in ARCHITECTURES:
+            return arch
+    raise ValueError(f"model architecture {archs or config.model_type!r} is not supported; "
+                     f"supported: {', '.join(ARCHITECTURES)}")
+
+
+def _check(config) -> None:
+    """Refuse what the engine does not implement, naming it."""
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, name, None) is not None:
+            raise ValueError(f"{name} is not supported (Gemma 2's tanh soft-capping)")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError("use_bidirectional_attention is not supported (embedding models)")
+
+
+def _sliding_window(config, arch: _Arch, layer_idx: int) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    if not window or arch.sliding == "none":
+        return None
+    if arch.sliding == "all":
+        return int(window)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return int(window) if layer_types[layer_idx] == "sliding_attention" else None
+    if getattr(config, "use_sliding_window", False):
+        return int(window) if layer_idx >= getattr(config, "max_window_layers", 0) else None
+    return None
+
+
+def _rope_key(config, layer_idx: int) -> str:
+    """Which rotary table a layer uses: its layer type's where the config sets rope per
+    layer type (Gemma 3: local and global attention), else the one shared table."""
+    per_type = getattr(config, "rope_parameters", None) or {}
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and isinstance(per_type.get(layer_types[layer_idx]), dict):
+        return layer_types[layer_idx]
+    return "full_attention"
+
+
+def _rope_parameters(config, layer_type: str = "full_attention") -> dict:
+    """Rope settings from either the newer `rope_parameters` key (per layer type where
+    the config has one set for each) or the older `rope_scaling` + `rope_theta` keys."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
+    scaling = getattr(config, "rope_scaling", None)
+    if scaling and not params.get("rope_type"):
+        params.update(scaling)
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    if params["rope_type"] in ("su", "yarn") and "short_factor" in params:  # Phi-3's old names
+        params["rope_type"] = "longrope"
+    if params["rope_type"] not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope type {params['rope_type']!r} is not supported; "
+                         f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    params["partial_rotary_factor"] = 1.0 if partial is None else float(partial)
+    if params["rope_type"] == "longrope":
+        params.setdefault("original_max_position_embeddings",
+                          getattr(config, "original_max_position_embeddings", None)
+                          or config.max_position_embeddings)
+        params.setdefault("factor", config.max_position_embeddings
+                          / params["original_max_position_embeddings"])
+    return params
+
+
+def _moe(config) -> MoEConfig | None:
+    """The experts of Mixtral (every layer) or Qwen3-MoE (see _moe_layer)."""
+    if getattr(config, "moe_intermediate_size", None) is None:
+        if not getattr(config, "num_local_experts", None):
+            return None
+        return MoEConfig(config.num_local_experts, config.num_experts_per_tok,  # Mixtral
+                         config.intermediate_size, normalize=True,
+                         weights_in_model_dtype=False)
+    num_experts = getattr(config, "num_experts", 0) or 0
+    if num_experts == 0:
+        return None
+    return MoEConfig(num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+                     normalize=bool(config.norm_topk_prob), weights_in_model_dtype=True)
+
+
+def _moe_layer(config, layer_idx: int) -> bool:
+    """Whether a layer has the MoE block: all of Mixtral's; Qwen3-MoE's but its
+    mlp_only_layers and those decoder_sparse_step skips."""
+    if getattr(config, "moe_intermediate_size", None) is None:
+        return True
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    return not (layer_idx in (getattr(config, "mlp_only_layers", None) or [])
+                or (layer_idx + 1) % step)
