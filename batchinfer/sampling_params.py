@@ -11,7 +11,7 @@ class StructuredOutputsParams:
     """Constraints on what a completion may be, with vLLM's names. `choice`: the
     completion is exactly one of these strings (each as the tokenizer encodes it), then
     the end-of-sequence token. `regex`: the whole completion matches this pattern (a
-    subset of Python's syntax, see batchinfer/engine/regex_guide.py), then the
+    subset of Python's syntax, see batchinfer/engine/regex_syntax.py), then the
     end-of-sequence token. `json`: a JSON schema (an object, or its JSON text); the
     completion is an instance, written compactly (see batchinfer/engine/json_schema.py).
     Grammars are not supported."""
@@ -30,7 +30,7 @@ class StructuredOutputsParams:
             raise ValueError(f"StructuredOutputsParams: give one of choice, regex and json, "
                              f"not {' and '.join(given)}")
         if self.regex is not None or self.json is not None:
-            from batchinfer.engine.regex_guide import check_pattern
+            from batchinfer.engine.regex_syntax import check_pattern
             check_pattern(self.pattern())  # refuses what it cannot match, naming it
             return
         choice = self.choice

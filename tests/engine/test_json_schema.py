@@ -9,7 +9,7 @@ import pytest
 
 from batchinfer import LLM, SamplingParams
 from batchinfer.engine.json_schema import json_schema_regex
-from batchinfer.engine.regex_guide import RegexAutomaton
+from batchinfer.engine.regex_automaton import RegexAutomaton
 
 LABEL = {"type": "object", "properties": {
     "label": {"enum": ["positive", "negative"]}, "confidence": {"type": "number"},
