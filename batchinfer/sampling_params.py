@@ -14,7 +14,9 @@ class StructuredOutputsParams:
     subset of Python's syntax, see batchinfer/engine/regex_syntax.py), then the
     end-of-sequence token. `json`: a JSON schema (an object, or its JSON text); the
     completion is an instance, written compactly (see batchinfer/engine/json_schema.py).
-    Grammars are not supported."""
+    A regex or schema whose automaton would pass its size limits is refused with a
+    ValueError naming the limit (regex_syntax.MAX_NFA_STATES). Grammars are not
+    supported."""
 
     choice: list[str] | None = None
     json: object = None
@@ -30,8 +32,15 @@ class StructuredOutputsParams:
             raise ValueError(f"StructuredOutputsParams: give one of choice, regex and json, "
                              f"not {' and '.join(given)}")
         if self.regex is not None or self.json is not None:
-            from batchinfer.engine.regex_syntax import check_pattern
-            check_pattern(self.pattern())  # refuses what it cannot match, naming it
+            from batchinfer.engine.regex_syntax import RegexTooLarge, check_pattern
+            try:
+                check_pattern(self.pattern())  # refuses what it cannot match, naming it
+            except RegexTooLarge as e:
+                if self.regex is not None:
+                    raise
+                # the limit, named for the schema the regex comes from
+                what = str(e).replace("regex too large: ", "its regex ", 1)
+                raise ValueError(f"json schema too large: {what}") from None
             return
         choice = self.choice
         if (choice is None or isinstance(choice, (str, bytes, dict))

@@ -19,9 +19,10 @@ from typing import Any
 
 # one character of a JSON string: raw (not a quote, backslash or control character), or
 # escaped; \u escapes of surrogates are left out (a pair is one character, which a length
-# bound would count as two)
-_STRING_CHAR = (r'([^"\\\x00-\x1f]|\\["\\/bfnrt]'
-                r'|\\u([0-9a-cA-CefEF][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2}))')
+# bound would count as two). The escapes share their backslash, so where one character
+# ends is plain from the next byte, and a length bound costs one counter (regex_syntax).
+_STRING_CHAR = (r'([^"\\\x00-\x1f]|\\(["\\/bfnrt]'
+                r'|u([0-9a-cA-CefEF][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2})))')
 _INTEGER = r"-?(0|[1-9][0-9]{0,15})"
 # exponents of at most two digits: every number written stays finite as a float
 _NUMBER = _INTEGER + r"(\.[0-9]{1,16})?([eE][+-]?[0-9]{1,2})?"

@@ -15,7 +15,10 @@ from batchinfer.engine.regex_guide import RegexGuide, VocabBytes, token_bytes
 PATTERNS = [r"\d+", r"(yes|no)", r"[A-Z][a-z]{2,4}", r"\d{3}-\d{4}", r"(ab|a)*c?", r"[^abc]+",
             r".{1,3}x", r"\w+@\w+\.com", r"(?:foo|bar)+\s?", r"[-+]?\d*\.?\d+", r"é[a-cà]*",
             r"[\d\s]+", r"a{2}b{0,2}", r"^x(y|z)$", r"\S+", r"[.]\.", r"(a|b)*?c", r"\{x\}",
-            r"[\]a]+", r"\u00e9|\x41", r"(?P<word>ab)+", r"a{,2}b", r"\012x|\0", r"a{x}"]
+            r"[\]a]+", r"\u00e9|\x41", r"(?P<word>ab)+", r"a{,2}b", r"\012x|\0", r"a{x}",
+            # counted repeats entered at many places, nested, over bodies that overlap
+            r"a*a{2,4}", r"(a{0,3}){0,3}b", r"(x[0-9]{1,3}){2,4}", r"(ab|a){2,5}", r"(a?){3}b",
+            r"[a-c]{2,}c", r"(.{1,2}b){1,3}"]
 
 
 def test_automaton_agrees_with_python_re():

@@ -97,6 +97,50 @@ def test_truncate_prompt_tokens_runs_long_rows(tmp_path, run_cli, reference_llm)
         assert bad.exit_code == 2 and "--truncate-prompt-tokens" in bad.output, bad.output
 
 
+HOSTILE_REGEX = "((a{0,1000}){0,1000}){0,1000}"
+HOSTILE_SCHEMA = {"type": "array", "maxItems": 1000, "items": {"anyOf": [
+    {"type": "array", "items": {"type": "string", "maxLength": 1000}, "maxItems": 1000},
+    {"type": "array", "items": {"type": "integer"}, "maxItems": 1000}]}}
+STRINGS = {"type": "array", "items": {"type": "string", "maxLength": 1000}, "maxItems": 1000}
+
+
+def test_a_constraint_too_large_fails_its_row_alone(tmp_path, run_cli):
+    """OpenAI lines whose regex or schema would expand past the automaton's limits fail
+    with an error naming the limit; the lines around them, an array of up to 1000 strings
+    of up to 1000 characters among them, complete."""
+    bodies = {"digits": {"guided_regex": "[0-9]{2}"},
+              "regex": {"guided_regex": HOSTILE_REGEX},
+              "schema": {"response_format": {"type": "json_schema", "json_schema": {
+                  "name": "nested", "schema": HOSTILE_SCHEMA}}},
+              "strings": {"guided_json": STRINGS},
+              "plain": {}}
+    lines = [{"custom_id": name, "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": "Answer:", "temperature": 0, "max_tokens": 6, **body}}
+             for name, body in bodies.items()]
+    (tmp_path / "batch.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    result = run_cli(tmp_path / "batch.jsonl", "-o", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    rows = {r["custom_id"]: r for r in ds.dataset(tmp_path / "out").to_table().to_pylist()}
+    assert "regex too large" in rows["regex"]["error"]
+    assert "json schema too large" in rows["schema"]["error"]
+    for name in ("regex", "schema"):
+        assert "automaton states (limit 100000)" in rows[name]["error"]
+        assert rows[name]["finish_reason"] == "error"
+    for name in ("digits", "strings", "plain"):
+        assert rows[name]["error"] is None and rows[name]["finish_reason"] in ("stop", "length")
+    assert rows["strings"]["completion"].startswith("[")
+
+
+def test_a_large_plausible_schema_runs_as_the_jobs_constraint(tmp_path, run_cli):
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in GOOD))
+    result = run_cli(tmp_path / "in.jsonl", "-o", tmp_path / "out", "--max-tokens", "6",
+                     "--temperature", "0", "--json-schema", json.dumps(STRINGS))
+    assert result.exit_code == 0, result.output
+    rows = ds.dataset(tmp_path / "out").to_table().to_pylist()
+    assert [r["error"] for r in rows] == [None] * len(GOOD)
+    assert all(r["completion"].startswith("[") for r in rows)
+
+
 @pytest.fixture
 def no_model_load(monkeypatch):
     """Any attempt to load an engine fails the test: fatal errors must come first."""
@@ -133,6 +177,9 @@ def assert_fatal(result, *words: str) -> None:
     (["--json-schema", '{"type": "string", "format": "date"}'], ["--json-schema", "format"]),
     (["--json-schema", "{oops"], ["--json-schema", "not valid JSON"]),
     (["--json-schema", "@/nonexistent/schema.json"], ["--json-schema", "cannot read"]),
+    (["--regex", HOSTILE_REGEX], ["--regex too large", "automaton states (limit 100000)"]),
+    (["--json-schema", json.dumps(HOSTILE_SCHEMA)],
+     ["--json-schema too large", "automaton states (limit 100000)"]),
     (["--chat-template", "BAD_TEMPLATE"], ["--chat-template", "line 1"]),
     (["--chat-template-kwargs", "enable_thinking=false"], ["--chat-template-kwargs", "JSON"]),
     (["--chat-template-kwargs", '["x"]'], ["--chat-template-kwargs", "must be an object"]),
