@@ -209,7 +209,9 @@ class LLMEngine:
 
     def _regex_guide(self, pattern: str) -> RegexGuide:
         """The pattern's guide, kept for the next requests with it (the most recent
-        MAX_REGEX_GUIDES patterns); the vocabulary's bytes are read on first use."""
+        MAX_REGEX_GUIDES patterns); the vocabulary's bytes are read on first use. A
+        pattern whose automaton passed one of its limits while generating for an earlier
+        request is refused (ValueError naming the limit)."""
         if self.tensor_parallel is not None:
             raise ValueError("structured outputs by regex are not supported with tensor "
                              "parallelism")
@@ -225,6 +227,8 @@ class LLMEngine:
             if len(self._regex_guides) >= MAX_REGEX_GUIDES:
                 self._regex_guides.pop(next(iter(self._regex_guides)))
         self._regex_guides[pattern] = guide
+        if guide.error is not None:
+            raise ValueError(guide.error)
         return guide
 
     def _choice_ids(self, text: str) -> list[int]:
@@ -304,7 +308,8 @@ class LLMEngine:
         result = self._execute(plan)
         sampled = self.scheduler.update_from_output(plan, result.req_ids, result.token_ids)
         stopped = self.output_processor.process(sampled, result.token_ids, result.logprobs,
-                                                result.prompt_logprobs, self.scheduler.requests)
+                                                result.prompt_logprobs, self.scheduler.requests,
+                                                result.errors)
         for req, status in stopped:
             self.scheduler.finish(req, status)
             output = self.output_processor.finish(req)

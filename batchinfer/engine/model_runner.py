@@ -65,6 +65,8 @@ class ChoiceTrie:
     follow what was generated so far (the end-of-sequence tokens once a choice is
     complete)."""
 
+    error = None  # a trie is built whole: nothing can fail later
+
     def __init__(self, choices: list[list[int]]):
         self.root: dict = {}
         for ids in choices:
@@ -93,6 +95,8 @@ class RunnerOutput:
     logprobs: list[tuple[list[int], list[float], int]] | None = None  # top ids, values (+sampled), rank
     # req id -> (first prompt position scored, per position as in logprobs)
     prompt_logprobs: dict[str, tuple[int, list]] | None = None
+    # req id -> why its structured output cannot go on (it sampled an end-of-sequence)
+    errors: dict[str, str] | None = None
 
 
 class ModelRunner:
@@ -346,6 +350,9 @@ class ModelRunner:
         for state, token in zip(sample_states, tokens):
             state.token_ids.append(token)
         out = RunnerOutput(sample_ids, tokens, prompt_logprobs=prompt_logprobs)
+        out.errors = {req_id: state.structure.error
+                      for req_id, state in zip(sample_ids, sample_states)
+                      if state.structure is not None and state.structure.error} or None
         if sampled.logprob_values is not None:
             ids, values, ranks = (sampled.logprob_ids.tolist(), sampled.logprob_values.tolist(),
                                   sampled.sampled_ranks.tolist())

@@ -42,10 +42,12 @@ class OutputProcessor:
 
     def process(self, sampled: list[Request], tokens: list[int], logprobs: list | None,
                 prompt_logprobs: dict[str, tuple[int, list]] | None,
-                requests: dict[str, Request]) -> list[tuple[Request, RequestStatus]]:
+                requests: dict[str, Request],
+                errors: dict[str, str] | None = None) -> list[tuple[Request, RequestStatus]]:
         """Record what a step computed for the requests that sampled `tokens` (appended to
         them already) and those that scored prompt positions; returns the requests that
-        stop, with why."""
+        stop, with why. `errors`: the requests whose structured output cannot go on (their
+        error is kept for their output)."""
         for req_id, (first, rows) in (prompt_logprobs or {}).items():
             req = requests[req_id]
             self._record_prompt_logprobs(req, first, rows)
@@ -57,6 +59,10 @@ class OutputProcessor:
                 req.logprobs.add(token, top_ids, values, rank, req.params.logprobs,
                                  self._token_text)
                 req.cumulative_logprob += values[-1]
+            if errors and req.request_id in errors:
+                req.error = errors[req.request_id]
+                stopped.append((req, RequestStatus.FINISHED_ERROR))
+                continue
             if (req.detokenizer is None and token not in req.stop_token_ids
                     and len(req.token_ids) < req.length_limit):
                 continue  # _check_stop's answer for most tokens, without the call
@@ -87,6 +93,7 @@ class OutputProcessor:
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs,
                              True, max(first.num_cached_tokens, 0),
                              merge_metrics([c.metrics for c in parent.children]),
+                             next((c.error for c in parent.children if c.error), None),
                              prompt_logprobs=first.prompt_logprobs)
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:

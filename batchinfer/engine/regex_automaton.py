@@ -159,11 +159,11 @@ class RegexAutomaton:
         self.epoch += 1
 
     def _reset(self) -> None:
-        self.sets: list[frozenset[_Config]] = []
-        self.ids: dict[frozenset[_Config], int] = {}
-        self.moves: list[dict[int, int]] = []
-        self.accepting: list[bool] = []
-        self.intern(self._closure({(self.start, ())}))
+        start = self._closure({(self.start, ())})  # first: if it raises, nothing changed
+        self.sets: list[frozenset[_Config]] = [start]
+        self.ids: dict[frozenset[_Config], int] = {start: 0}
+        self.moves: list[dict[int, int]] = [{}]
+        self.accepting: list[bool] = [(self.accept, ()) in start]
 
     @contextlib.contextmanager
     def time_limit(self, seconds: float):

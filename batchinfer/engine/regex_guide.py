@@ -4,7 +4,7 @@
 A token is allowed when walking its bytes from the current state never empties it. The
 end-of-sequence tokens are allowed where the state accepts. All tokens are walked together,
 a column of their bytes at a time (numpy, over the DFA's moves as an array), and each
-state's allowed set is kept.
+state's allowed set is kept, up to MAX_DFA_STATES states a pattern.
 """
 from __future__ import annotations
 
@@ -14,6 +14,19 @@ import numpy as np
 import torch
 
 from batchinfer.engine.regex_automaton import RegexAutomaton
+from batchinfer.engine.regex_syntax import RegexTooLarge
+
+# The DFA states a guide keeps, with their moves and allowed tokens (about 4 KB a state
+# of a JSON schema's: 40 MB in all). Past this they are all forgotten and built again as
+# matching reaches them, so a pattern that keeps reaching new states (a counted repeat
+# over long completions: a state per count) holds bounded memory over a whole job.
+MAX_DFA_STATES = 10_000
+# Seconds one completion's step may spend building the automaton (a state of a JSON
+# schema's takes well under a millisecond; the allowed tokens of a state about 10 ms).
+# Past it the completion ends with an error naming the limit, and the pattern is refused
+# to later requests: a pattern whose DFA blows up costs its rows, not the job, and a stop
+# signal waits for at most about this long.
+BUILD_SECONDS = 5.0
 
 
 # ---- tokens -------------------------------------------------------------------------
@@ -96,11 +109,21 @@ class RegexGuide:
         self.pieces = vocab.pieces
         # the automaton's moves as an array [states, 256] (-1 dead, _UNKNOWN not yet
         # computed), grown as states appear, for stepping many tokens at once
-        self._moves = np.full((16, 256), _UNKNOWN, dtype=np.int64)
+        self._moves = np.full((16, 256), _UNKNOWN, dtype=np.int32)
         # per state and device, the allowed ids (end-of-sequence included where it
         # accepts); states with the same set share one tensor
         self._tensors: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._shared: dict[tuple[bytes, torch.device], torch.Tensor] = {}
+        self.error: str | None = None  # the limit the automaton passed, if it did
+
+    def make_room(self) -> None:
+        """Past MAX_DFA_STATES, forget every state (the automaton's epoch changes: a
+        RegexMatcher then finds its state again from its configurations)."""
+        if len(self.automaton.sets) > MAX_DFA_STATES:
+            self.automaton.forget()
+            self._moves = np.full((16, 256), _UNKNOWN, dtype=np.int32)
+            self._tensors.clear()
+            self._shared.clear()
 
     def advance(self, state: int, token: int) -> int:
         data = self.pieces[token] if 0 <= token < len(self.pieces) else None
@@ -119,7 +142,7 @@ class RegexGuide:
         nxt = self._moves[states, data]
         unknown = nxt == _UNKNOWN
         if unknown.any():
-            pairs = np.unique(states[unknown] * 256 + data[unknown])
+            pairs = np.unique(states[unknown].astype(np.int64) * 256 + data[unknown])
             targets = [self.automaton.step(pair // 256, pair % 256) for pair in pairs.tolist()]
             self._cover_states()
             self._moves[pairs // 256, pairs % 256] = targets
@@ -130,7 +153,7 @@ class RegexGuide:
         """Grow the moves table to a row for every state the automaton has."""
         count = len(self.automaton.sets)
         if count > len(self._moves):
-            grown = np.full((2 * count, 256), _UNKNOWN, dtype=np.int64)
+            grown = np.full((2 * count, 256), _UNKNOWN, dtype=np.int32)
             grown[:len(self._moves)] = self._moves
             self._moves = grown
 
@@ -189,15 +212,38 @@ class RegexMatcher:
         self.guide = guide
         self.state = 0
         self.consumed = 0
+        self.epoch = guide.automaton.epoch
+        self.configs = guide.automaton.sets[0]  # the state's, to find it after an epoch
+        self.error: str | None = None
 
     def next_tokens(self, generated: list[int], eos_token_ids: frozenset[int],
                     device: torch.device) -> torch.Tensor:
-        """The token ids that may follow `generated` (a tensor on device)."""
+        """The token ids that may follow `generated` (a tensor on device). Where building
+        the automaton passes a limit (BUILD_SECONDS, or the size of a state), only an end
+        may follow: `error` names the limit, for the engine to fail the completion, and
+        the guide keeps it to refuse the pattern to later requests."""
+        guide = self.guide
+        if self.error is None:
+            try:
+                with guide.automaton.time_limit(BUILD_SECONDS):
+                    return self._next_tokens(generated, eos_token_ids, device)
+            except RegexTooLarge as e:
+                self.error = guide.error = str(e)
+        return guide.next_tokens(-1, eos_token_ids, device)
+
+    def _next_tokens(self, generated: list[int], eos_token_ids: frozenset[int],
+                     device: torch.device) -> torch.Tensor:
+        guide, automaton = self.guide, self.guide.automaton
+        guide.make_room()
+        if self.epoch != automaton.epoch:
+            self.epoch = automaton.epoch
+            self.state = automaton.intern(self.configs)
         if len(generated) < self.consumed:  # started again (cannot happen: tokens only grow)
             self.state, self.consumed = 0, 0
         for token in generated[self.consumed:]:
             if self.state >= 0:
-                self.state = self.guide.advance(self.state, token)
+                self.state = guide.advance(self.state, token)
         self.consumed = len(generated)
+        self.configs = automaton.sets[self.state] if self.state >= 0 else frozenset()
         # off the pattern (cannot happen: every token came from it): only an end remains
-        return self.guide.next_tokens(self.state, eos_token_ids, device)
+        return guide.next_tokens(self.state, eos_token_ids, device)

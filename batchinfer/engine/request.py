@@ -52,6 +52,7 @@ class Request:
         self.stop_token_ids = frozenset(params.stop_token_ids or ()) | (
             frozenset() if params.ignore_eos else eos_token_ids)
         self.stop_reason: int | str | None = None
+        self.error: str | None = None  # why it finished with FINISHED_ERROR
         self.logprobs = FlatLogprobs() if params.logprobs is not None else None
         self.cumulative_logprob = 0.0 if params.logprobs is not None else None
         self.prompt_logprobs = None  # the first prompt token has none

@@ -1,19 +1,22 @@
 """The bounds on a pattern's automaton: counted repeats built once with a counter (checked
 against the parse tree's own meaning), the size refused from the tree before anything is
-built, and the limits that hold while the DFA is built."""
+built, and the limits that hold while the DFA is built, down to the engine's outputs."""
 from __future__ import annotations
 
 import json
 import random
 import time
 import tracemalloc
+from pathlib import Path
 
 import pytest
+import torch
 
-from batchinfer import SamplingParams
-from batchinfer.engine import regex_automaton
+from batchinfer import LLM, SamplingParams
+from batchinfer.engine import regex_automaton, regex_guide
 from batchinfer.engine.json_schema import json_schema_regex
 from batchinfer.engine.regex_automaton import RegexAutomaton
+from batchinfer.engine.regex_guide import RegexGuide, RegexMatcher, VocabBytes
 from batchinfer.engine.regex_syntax import (MAX_NFA_STATES, MAX_PATTERN_CHARS, RegexTooLarge,
                                             check_pattern, measure, parse)
 
@@ -166,3 +169,65 @@ def test_building_stops_at_the_time_limit_and_can_go_on_after():
             automaton.matches(b"abc")
     assert automaton.deadline is None
     assert automaton.matches(b"abc" * 100) and not automaton.matches(b"abc" * 101)
+
+
+CPU = torch.device("cpu")
+EOS = 4
+VOCAB = [b"a", b"b", b"ab", b"ba", None]  # id 4: the end of sequence
+
+
+def test_a_guide_forgets_its_states_past_the_limit_and_matchers_go_on(monkeypatch):
+    """Every count of [ab]{0,40} is a state: past MAX_DFA_STATES the guide forgets them
+    all, and a matcher finds its state again; its allowed tokens stay those of a guide
+    that keeps everything."""
+    monkeypatch.setattr(regex_guide, "MAX_DFA_STATES", 8)
+    pattern = "[ab]{0,40}c?"
+    guide, reference = RegexGuide(pattern, VocabBytes(VOCAB)), RegexGuide(pattern,
+                                                                         VocabBytes(VOCAB))
+    matcher = RegexMatcher(guide)
+    rng = random.Random(0)
+    generated, state = [], 0
+    for _ in range(25):
+        allowed = matcher.next_tokens(generated, frozenset({EOS}), CPU).tolist()
+        assert allowed == reference.next_tokens(state, frozenset({EOS}), CPU).tolist()
+        assert len(guide.automaton.sets) <= 8 + 16  # at most one call's states past it
+        token = rng.choice([t for t in allowed if t != EOS] or [EOS])
+        if token == EOS:
+            break
+        generated.append(token)
+        state = reference.advance(state, token)
+    assert guide.automaton.epoch > 1 and matcher.error is None
+
+
+def test_a_completion_whose_automaton_passes_a_limit_can_only_end(monkeypatch):
+    guide = RegexGuide("[ab]{0,40}", VocabBytes(VOCAB))
+    matcher = RegexMatcher(guide)
+    monkeypatch.setattr(regex_guide, "BUILD_SECONDS", 0.0)
+    assert matcher.next_tokens([], frozenset({EOS}), CPU).tolist() == [EOS]
+    assert "regex too slow" in matcher.error and "(limit 0 s)" in matcher.error
+    assert guide.error == matcher.error
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir: Path) -> LLM:
+    return LLM(model=str(llama_dir), dtype="float32", seed=0)
+
+
+def test_the_engine_fails_that_completion_alone_and_the_pattern_after(llm, monkeypatch):
+    regex = SamplingParams(max_tokens=8, structured_outputs={"regex": "[a-z]{1,20}"})
+    plain = SamplingParams(max_tokens=8, temperature=0)
+    prompts = ["The river runs", "Once upon a time"]
+    expected = llm.generate(prompts[1:], plain)[0].outputs[0].text
+    monkeypatch.setattr(regex_guide, "BUILD_SECONDS", 0.0)
+    failed, other = llm.generate(prompts, [regex, plain])
+    assert failed.outputs[0].finish_reason == "error" and "regex too slow" in failed.error
+    assert other.error is None and other.outputs[0].text == expected
+    monkeypatch.undo()  # the pattern stays refused, at once
+    again = llm.generate(prompts[:1], regex)[0]
+    assert again.error == failed.error and again.outputs[0].token_ids == []
+    # a pattern made without the size check (params changed after they were made) is
+    # refused by the engine's own before it builds anything
+    bypass = SamplingParams(max_tokens=8, structured_outputs={"regex": "a"})
+    bypass.structured_outputs.regex = HOSTILE_REGEX
+    out = llm.generate(prompts[:1], bypass)[0]
+    assert out.outputs[0].finish_reason == "error" and "limit 100000" in out.error
