@@ -268,8 +268,8 @@ class _Loop:
     def _run(self, stop: StopSignals) -> bool:
         try:
             while not stop.requested:
-                self.fill()
-                self.feed()
+                self.fill(stop)
+                self.feed(stop)
                 if not self.inflight and self.exhausted and not len(self.window):
                     break
                 if self.inflight:
@@ -288,9 +288,11 @@ class _Loop:
                 pass  # the first failure is the one to report
             raise
 
-    def fill(self) -> None:
-        """Read rows until the window is full; rows that cannot be requests are recorded."""
-        while not self.exhausted and self.window.has_room():
+    def fill(self, stop: StopSignals) -> None:
+        """Read rows until the window is full; rows that cannot be requests are recorded.
+        A stop asked for ends it after the batch of rows at hand (each row's constraint is
+        checked as its request is built)."""
+        while not self.exhausted and self.window.has_room() and not stop.requested:
             batch = next(self.batches, None)
             if batch is None:
                 self.exhausted = True
@@ -301,9 +303,10 @@ class _Loop:
                 else:
                     self.record(item, error_rows(item))
 
-    def feed(self) -> None:
-        """Top the engine up to about 2 x max_num_seqs unfinished requests."""
-        while len(self.window) and len(self.inflight) < self.target:
+    def feed(self, stop: StopSignals) -> None:
+        """Top the engine up to about 2 x max_num_seqs unfinished requests, or until a stop
+        is asked for (adding a request may build its regex's automaton)."""
+        while len(self.window) and len(self.inflight) < self.target and not stop.requested:
             item = self.window.pop()
             request_id = str(item.row.index)
             params = item.params

@@ -131,6 +131,33 @@ def test_a_constraint_too_large_fails_its_row_alone(tmp_path, run_cli):
     assert rows["strings"]["completion"].startswith("[")
 
 
+def test_a_stop_asked_for_while_requests_are_added_is_seen_before_the_next(tmp_path):
+    """Adding a request may build its pattern's automaton: a SIGTERM that arrives during
+    one is seen before the next row's, not after the whole batch of them."""
+    import io
+    import signal
+
+    from batchinfer.job.options import JobOptions
+    from batchinfer.job.runner import run_job
+
+    added = []
+
+    class SignalledEngine(FakeEngine):
+        def add_request(self, request_id, prompt, params, arrival_time=None):
+            added.append(request_id)
+            if len(added) == 1:
+                signal.raise_signal(signal.SIGTERM)
+            super().add_request(request_id, prompt, params, arrival_time)
+
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": f"row {i}"}) + "\n"
+                                               for i in range(200)))
+    options = JobOptions(input=str(tmp_path / "in.jsonl"), model="stand-in",
+                         output=str(tmp_path / "out"), max_tokens=2, progress=False)
+    result = run_job(options, engine_factory=lambda model, kwargs: SignalledEngine(),
+                     out=io.StringIO(), err=io.StringIO())
+    assert result.exit_code == 128 + signal.SIGTERM and len(added) == 1
+
+
 def test_a_large_plausible_schema_runs_as_the_jobs_constraint(tmp_path, run_cli):
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in GOOD))
     result = run_cli(tmp_path / "in.jsonl", "-o", tmp_path / "out", "--max-tokens", "6",
