@@ -221,8 +221,11 @@ class RegexMatcher:
         """The token ids that may follow `generated` (a tensor on device). Where building
         the automaton passes a limit (BUILD_SECONDS, or the size of a state), only an end
         may follow: `error` names the limit, for the engine to fail the completion, and
-        the guide keeps it to refuse the pattern to later requests."""
+        the guide keeps it, to fail its other completions at their next token (each would
+        spend the time again) and to refuse the pattern to later requests."""
         guide = self.guide
+        if self.error is None and guide.error is not None:
+            self.error = guide.error
         if self.error is None:
             try:
                 with guide.automaton.time_limit(BUILD_SECONDS):

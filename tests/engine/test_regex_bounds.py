@@ -201,11 +201,15 @@ def test_a_guide_forgets_its_states_past_the_limit_and_matchers_go_on(monkeypatc
 
 def test_a_completion_whose_automaton_passes_a_limit_can_only_end(monkeypatch):
     guide = RegexGuide("[ab]{0,40}", VocabBytes(VOCAB))
-    matcher = RegexMatcher(guide)
+    matcher, other = RegexMatcher(guide), RegexMatcher(guide)
+    assert other.next_tokens([], frozenset({EOS}), CPU).tolist() == [0, 1, 2, 3, EOS]
     monkeypatch.setattr(regex_guide, "BUILD_SECONDS", 0.0)
-    assert matcher.next_tokens([], frozenset({EOS}), CPU).tolist() == [EOS]
+    assert matcher.next_tokens([0], frozenset({EOS}), CPU).tolist() == [EOS]
     assert "regex too slow" in matcher.error and "(limit 0 s)" in matcher.error
     assert guide.error == matcher.error
+    # the guide's other completion ends at its next token, without building again
+    assert other.next_tokens([1], frozenset({EOS}), CPU).tolist() == [EOS]
+    assert other.error == matcher.error
 
 
 @pytest.fixture(scope="module")
