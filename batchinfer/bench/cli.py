@@ -1,6 +1,7 @@
 """`batchinfer bench`: offline throughput (flags as in `vllm bench throughput`), with a
 transformers baseline (--baseline hf), prefix caching on vs off (--compare-prefix-caching),
-engine overhead with the model stubbed out (--model-stub), and `bench kernels`."""
+engine overhead with the model stubbed out (--model-stub), `bench kernels` and
+`bench structured`."""
 from __future__ import annotations
 
 import json
@@ -30,12 +31,16 @@ def _positive(ctx, param, value):
 
 class _BenchGroup(click.Group):
     """`bench` runs the throughput benchmark itself; `bench kernels` is the attention-kernel
-    benchmark (batchinfer.bench.kernels), imported only when asked for."""
+    benchmark (batchinfer.bench.kernels) and `bench structured` the cost of structured-output
+    constraints (batchinfer.bench.structured), each imported only when asked for."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return ["kernels"]
+        return ["kernels", "structured"]
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name == "structured":
+            from batchinfer.bench.structured import main as structured_main
+            return structured_main
         if name != "kernels":
             return None
         try:
