@@ -30,8 +30,9 @@ def _commands() -> dict[str, tuple[click.Command, click.Context]]:
     commands = {name: (cmd, _context(cmd, name, top))
                 for name, cmd in (("run", run), ("merge", merge), ("bench", bench))}
     bench_ctx = commands["bench"][1]
-    kernels = bench.get_command(bench_ctx, "kernels")
-    commands["bench kernels"] = (kernels, _context(kernels, "kernels", bench_ctx))
+    for name in ("kernels", "structured"):
+        sub = bench.get_command(bench_ctx, name)
+        commands[f"bench {name}"] = (sub, _context(sub, name, bench_ctx))
     return commands
 
 
@@ -70,7 +71,8 @@ def documented_flags(section: str) -> set[str]:
     return flags - HELP
 
 
-@pytest.mark.parametrize("name", ["run", "merge", "bench", "bench kernels"])
+@pytest.mark.parametrize("name", ["run", "merge", "bench", "bench kernels",
+                                  "bench structured"])
 def test_cli_md_documents_every_flag_and_only_real_ones(name):
     command, ctx = _commands()[name]
     sections = _sections((DOCS / "cli.md").read_text())
@@ -141,7 +143,8 @@ def _markdown_files() -> list[Path]:
     return [README, *sorted(DOCS.glob("*.md"))]
 
 
-_COMMAND = re.compile(r"(?:^|&&|\s)(?:\S*/)?batchinfer (bench kernels|run|merge|bench)\b(.*)")
+_COMMAND = re.compile(r"(?:^|&&|\s)(?:\S*/)?batchinfer "
+                      r"(bench kernels|bench structured|run|merge|bench)\b(.*)")
 
 
 def example_commands() -> list[tuple[str, str, list[str]]]:
