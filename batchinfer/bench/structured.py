@@ -67,8 +67,17 @@ REALISTIC: dict[str, tuple[dict, Any]] = {
         "type": "array", "maxItems": 1000, "items": {"type": "integer"}}},
         [[i * j for j in range(100)] for i in range(5)]),
 }
+
+def _nested_arrays(depth: int) -> dict:
+    schema = _string(5)
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema, "maxItems": 3}
+    return schema
+
+
 # name -> a regex or a JSON schema whose automaton is over the limits
 HOSTILE: dict[str, str | dict] = {
+    "maxItems-30-deep": _nested_arrays(30),  # its regex doubles a level
     "nested-counted-regex": "((a{0,1000}){0,1000}){0,1000}",
     "nested-maxItems-anyOf": {"type": "array", "maxItems": 1000, "items": {"anyOf": [
         {"type": "array", "items": _string(1000), "maxItems": 1000},

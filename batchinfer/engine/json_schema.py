@@ -15,7 +15,10 @@ from __future__ import annotations
 import functools
 import json
 import re
+from collections.abc import Iterable
 from typing import Any
+
+from batchinfer.engine.regex_syntax import MAX_PATTERN_CHARS
 
 # one character of a JSON string: raw (not a quote, backslash or control character), or
 # escaped; \u escapes of surrogates are left out (a pair is one character, which a length
@@ -61,6 +64,15 @@ class _Converter:
         return ValueError(f"json schema: {what} is not supported")
 
     def convert(self, schema: Any, depth: int = 0) -> str:
+        """The schema's regex, refused as soon as it grows past MAX_PATTERN_CHARS (an array
+        writes its item twice, so nested arrays double it a level, and a $ref is written
+        out where it is used)."""
+        regex = self._convert(schema, depth)
+        if len(regex) > MAX_PATTERN_CHARS:
+            raise _too_long()
+        return regex
+
+    def _convert(self, schema: Any, depth: int) -> str:
         if depth > _MAX_DEPTH:
             raise self.fail(f"nesting deeper than {_MAX_DEPTH}")
         if schema is True or schema == {}:
@@ -89,12 +101,12 @@ class _Converter:
                 values = [v for v in values if any(_is_type(v, k) for k in kinds)]
                 if not values:
                     raise ValueError("json schema: no enum or const value has the given type")
-            return "(" + "|".join(_literal(v) for v in values) + ")"
+            return "(" + _joined((_literal(v) for v in values), "|") + ")"
         if "anyOf" in schema:
             options = schema["anyOf"]
             if not isinstance(options, list) or not options:
                 raise ValueError("json schema: anyOf must be a non-empty list")
-            return "(" + "|".join(self.convert(s, depth + 1) for s in options) + ")"
+            return "(" + _joined((self.convert(s, depth + 1) for s in options), "|") + ")"
         kind = schema.get("type")
         if kind is None:
             if "properties" in schema:
@@ -108,10 +120,10 @@ class _Converter:
                 raise ValueError("json schema: type must not be an empty list")
             # each type with the keywords that apply to it (any other is refused by all)
             known = set().union(*(_KEYWORDS.get(k, set()) for k in kind))
-            return "(" + "|".join(self.convert(
+            return "(" + _joined((self.convert(
                 {key: v for key, v in schema.items()
                  if key in _KEYWORDS.get(k, set()) or key not in known}
-                | {"type": k}, depth + 1) for k in kind) + ")"
+                | {"type": k}, depth + 1) for k in kind), "|") + ")"
         allowed = _ANNOTATIONS | {"type"} | _KEYWORDS.get(kind, set())
         unknown = sorted(set(schema) - allowed)
         if unknown:
@@ -159,9 +171,9 @@ class _Converter:
             raise self.fail(f"required properties without a schema ({', '.join(missing)})")
         # every listed property is written, in order (valid whatever `required` says, and
         # whatever additionalProperties allows beyond them)
-        fields = [_literal(name) + ": " + self.convert(sub, depth + 1)
-                  for name, sub in properties.items()]
-        return r"\{" + ", ".join(fields) + r"\}"
+        fields = (_literal(name) + ": " + self.convert(sub, depth + 1)
+                  for name, sub in properties.items())
+        return r"\{" + _joined(fields, ", ") + r"\}"
 
     def ref(self, ref: Any, depth: int) -> str:
         if not isinstance(ref, str) or not ref.startswith("#/"):
@@ -179,6 +191,22 @@ class _Converter:
             return self.convert(target, depth + 1)
         finally:
             self.refs.pop()
+
+
+def _joined(parts: Iterable[str], separator: str) -> str:
+    """separator.join(parts), refused as soon as it grows past MAX_PATTERN_CHARS."""
+    out, size = [], 0
+    for part in parts:
+        size += len(part) + len(separator)
+        if size > MAX_PATTERN_CHARS:
+            raise _too_long()
+        out.append(part)
+    return separator.join(out)
+
+
+def _too_long() -> ValueError:
+    return ValueError(f"json schema too large: its regex is more than {MAX_PATTERN_CHARS} "
+                      f"characters long (limit {MAX_PATTERN_CHARS})")
 
 
 def json_schema_regex(schema: Any) -> str:

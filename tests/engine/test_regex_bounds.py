@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import time
 import tracemalloc
 from pathlib import Path
@@ -27,6 +28,10 @@ HOSTILE_SCHEMA = {"type": "array", "maxItems": 1000, "items": {"anyOf": [
     {"type": "array", "items": {"type": "string", "maxLength": 1000}, "maxItems": 1000},
     {"type": "array", "items": {"type": "integer"}, "maxItems": 1000}]}}
 STRINGS = {"type": "array", "items": {"type": "string", "maxLength": 1000}, "maxItems": 1000}
+# arrays nested 30 deep: each array's regex writes its item twice, 2**30 times in all
+DEEP = {"type": "string", "maxLength": 5}
+for _ in range(30):
+    DEEP = {"type": "array", "items": DEEP, "maxItems": 3}
 
 
 def _random_pattern(rng: random.Random, depth: int) -> str:
@@ -108,24 +113,27 @@ def test_size_is_the_nfa_built(pattern):
     assert measure(parse(pattern))[1] == len(RegexAutomaton(pattern).nfa.edges)
 
 
-@pytest.mark.parametrize("constraint", [HOSTILE_REGEX, HOSTILE_SCHEMA,
-                                        "((a{1,1000}){1,1000}b?){2,1000}"])
-def test_hostile_constraints_are_refused_fast_naming_the_limit(constraint):
+@pytest.mark.parametrize("constraint, limit", [
+    (HOSTILE_REGEX, f"automaton states (limit {MAX_NFA_STATES})"),
+    (HOSTILE_SCHEMA, f"automaton states (limit {MAX_NFA_STATES})"),
+    ("((a{1,1000}){1,1000}b?){2,1000}", f"automaton states (limit {MAX_NFA_STATES})"),
+    (DEEP, f"characters long (limit {MAX_PATTERN_CHARS})")])
+def test_hostile_constraints_are_refused_fast_naming_the_limit(constraint, limit):
     kind = "regex" if isinstance(constraint, str) else "json"
     tracemalloc.start()
     start = time.perf_counter()
     try:
-        with pytest.raises(ValueError, match=rf"too large: .* automaton states \(limit "
-                                             rf"{MAX_NFA_STATES}\)"):
+        with pytest.raises(ValueError, match=r"too large: .*" + re.escape(limit)):
             SamplingParams(structured_outputs={kind: constraint})
         seconds = time.perf_counter() - start
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
     assert seconds < 0.5 and peak < 5 * 2**20, (seconds, peak)
-    pattern = constraint if kind == "regex" else json_schema_regex(constraint)
-    with pytest.raises(RegexTooLarge, match=f"limit {MAX_NFA_STATES}"):
-        RegexAutomaton(pattern)  # the engine's own check, before it builds anything
+    if constraint is not DEEP:  # (its regex is refused before it is written out)
+        pattern = constraint if kind == "regex" else json_schema_regex(constraint)
+        with pytest.raises(RegexTooLarge, match=f"limit {MAX_NFA_STATES}"):
+            RegexAutomaton(pattern)  # the engine's own check, before it builds anything
 
 
 def test_bounded_strings_and_items_cost_one_counter_each():

@@ -102,6 +102,9 @@ HOSTILE_SCHEMA = {"type": "array", "maxItems": 1000, "items": {"anyOf": [
     {"type": "array", "items": {"type": "string", "maxLength": 1000}, "maxItems": 1000},
     {"type": "array", "items": {"type": "integer"}, "maxItems": 1000}]}}
 STRINGS = {"type": "array", "items": {"type": "string", "maxLength": 1000}, "maxItems": 1000}
+DEEP = {"type": "string", "maxLength": 5}
+for _ in range(30):  # arrays nested 30 deep: a regex that doubles a level
+    DEEP = {"type": "array", "items": DEEP, "maxItems": 3}
 
 
 def test_a_constraint_too_large_fails_its_row_alone(tmp_path, run_cli):
@@ -112,6 +115,7 @@ def test_a_constraint_too_large_fails_its_row_alone(tmp_path, run_cli):
               "regex": {"guided_regex": HOSTILE_REGEX},
               "schema": {"response_format": {"type": "json_schema", "json_schema": {
                   "name": "nested", "schema": HOSTILE_SCHEMA}}},
+              "deep": {"guided_json": DEEP},
               "strings": {"guided_json": STRINGS},
               "plain": {}}
     lines = [{"custom_id": name, "method": "POST", "url": "/v1/completions",
@@ -123,8 +127,9 @@ def test_a_constraint_too_large_fails_its_row_alone(tmp_path, run_cli):
     rows = {r["custom_id"]: r for r in ds.dataset(tmp_path / "out").to_table().to_pylist()}
     assert "regex too large" in rows["regex"]["error"]
     assert "json schema too large" in rows["schema"]["error"]
-    for name in ("regex", "schema"):
-        assert "automaton states (limit 100000)" in rows[name]["error"]
+    assert "json schema too large" in rows["deep"]["error"]
+    for name in ("regex", "schema", "deep"):
+        assert "(limit 100000)" in rows[name]["error"]
         assert rows[name]["finish_reason"] == "error"
     for name in ("digits", "strings", "plain"):
         assert rows[name]["error"] is None and rows[name]["finish_reason"] in ("stop", "length")
