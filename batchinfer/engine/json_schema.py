@@ -204,6 +204,12 @@ def _joined(parts: Iterable[str], separator: str) -> str:
     return separator.join(out)
 
 
+def _too_deep() -> ValueError:
+    """For JSON nested deeper than Python's json module reads or writes (the schema's
+    own limit, _MAX_DEPTH, is far below)."""
+    return ValueError(f"json schema: nesting deeper than {_MAX_DEPTH} is not supported")
+
+
 def _too_long() -> ValueError:
     return ValueError(f"json schema too large: its regex is more than {MAX_PATTERN_CHARS} "
                       f"characters long (limit {MAX_PATTERN_CHARS})")
@@ -217,6 +223,8 @@ def json_schema_regex(schema: Any) -> str:
             schema = json.dumps(schema)
         except (TypeError, ValueError) as e:
             raise ValueError(f"json schema is not JSON data: {e}") from None
+        except RecursionError:
+            raise _too_deep() from None
     return _convert_text(schema)
 
 
@@ -226,6 +234,8 @@ def _convert_text(text: str) -> str:
         schema = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"json schema is not valid JSON: {e}") from None
+    except RecursionError:
+        raise _too_deep() from None
     if not isinstance(schema, dict):
         raise ValueError(f"json schema must be an object, got {type(schema).__name__}")
     return _Converter(schema).convert(schema)

@@ -2,6 +2,7 @@
 be expressed is refused by name, and the engine's completions parse as instances."""
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -55,7 +56,12 @@ def test_instances_written_compactly_match(schema, good, bad):
     ({"enum": ["x"], "minLength": 3}, "enum beside minLength"),
     ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["b"]},
-     "required properties without a schema")])
+     "required properties without a schema"),
+    # nested deeper than Python's json module goes: refused as any other depth, never a
+    # RecursionError (which a job would not take as a failed row)
+    ("[" * 100_000 + "]" * 100_000, "nesting deeper than 32"),
+    (functools.reduce(lambda inner, _: {"anyOf": [inner]}, range(100_000), {"type": "null"}),
+     "nesting deeper than 32")])
 def test_what_cannot_be_expressed_is_refused(schema, what):
     if what is None:  # an object without properties: {} only
         assert RegexAutomaton(json_schema_regex(schema)).matches(b"{}")
