@@ -216,6 +216,7 @@ class _Parser:
         chars: set[str] = set()
         negated_parts: list[frozenset] = []
         first = True
+        spanned = 0  # characters its ranges list, overlaps counted again
         while True:
             c = self.peek()
             if c is None:
@@ -248,6 +249,10 @@ class _Parser:
                     raise self.fail(f"bad range {low}-{high}")
                 if ord(high) - ord(low) > 4096:
                     raise self.fail("class ranges wider than 4096 characters are not supported")
+                spanned += ord(high) - ord(low) + 1
+                if spanned > MAX_NFA_STATES:  # (each character past ASCII is a state or more)
+                    raise RegexTooLarge(f"regex too large: a class lists more than "
+                                        f"{MAX_NFA_STATES} characters (limit {MAX_NFA_STATES})")
                 chars |= {chr(o) for o in range(ord(low), ord(high) + 1)}
             else:
                 chars.add(low)

@@ -156,12 +156,18 @@ def test_bounded_strings_and_items_cost_one_counter_each():
     assert measure(parse("(a{0,5}){0,10}"))[1] > 10 * measure(parse("a{0,5}"))[1]
 
 
-def test_nesting_and_length_are_bounded_before_parsing_goes_deep():
+def test_nesting_length_and_classes_are_bounded_before_parsing_goes_far():
     assert RegexAutomaton("(" * 100 + "a" + ")" * 100).matches(b"a")
     with pytest.raises(ValueError, match="nested more than 100 deep"):
         check_pattern("(" * 101 + "a" + ")" * 101)
     with pytest.raises(RegexTooLarge, match=f"characters long \\(limit {MAX_PATTERN_CHARS}\\)"):
         check_pattern("a" * (MAX_PATTERN_CHARS + 1))
+    # overlapping ranges: refused by what they list, before the set of them is made
+    start = time.perf_counter()
+    with pytest.raises(RegexTooLarge, match=f"a class lists more than {MAX_NFA_STATES} "
+                                            f"characters \\(limit {MAX_NFA_STATES}\\)"):
+        check_pattern("[" + "\\u0100-\\u1100" * 7000 + "]")
+    assert time.perf_counter() - start < 0.5
 
 
 def test_a_dfa_state_over_the_limit_is_refused(monkeypatch):
