@@ -11,9 +11,9 @@ class StructuredOutputsParams:
     """Constraints on what a completion may be, with vLLM's names. `choice`: the
     completion is exactly one of these strings (each as the tokenizer encodes it), then
     the end-of-sequence token. `regex`: the whole completion matches this pattern (a
-    subset of Python's syntax, see batchinfer/engine/regex_syntax.py), then the
+    subset of Python's syntax, see batchinfer/structured/regex_syntax.py), then the
     end-of-sequence token. `json`: a JSON schema (an object, or its JSON text); the
-    completion is an instance, written compactly (see batchinfer/engine/json_schema.py).
+    completion is an instance, written compactly (see batchinfer/structured/json_schema.py).
     A regex or schema whose automaton would pass its size limits is refused with a
     ValueError naming the limit (regex_syntax.MAX_NFA_STATES). Grammars are not
     supported."""
@@ -32,7 +32,7 @@ class StructuredOutputsParams:
             raise ValueError(f"StructuredOutputsParams: give one of choice, regex and json, "
                              f"not {' and '.join(given)}")
         if self.regex is not None or self.json is not None:
-            from batchinfer.engine.regex_syntax import RegexTooLarge, check_pattern
+            from batchinfer.structured.regex_syntax import RegexTooLarge, check_pattern
             try:
                 check_pattern(self.pattern())  # refuses what it cannot match, naming it
             except RegexTooLarge as e:
@@ -56,7 +56,7 @@ class StructuredOutputsParams:
         """The regex a regex or json constraint compiles to."""
         if self.regex is not None:
             return self.regex
-        from batchinfer.engine.json_schema import json_schema_regex
+        from batchinfer.structured.json_schema import json_schema_regex
         return json_schema_regex(self.json)
 
 

@@ -16,10 +16,10 @@ from typing import Any
 
 import click
 
-from batchinfer.engine.json_schema import json_schema_regex
-from batchinfer.engine.regex_automaton import RegexAutomaton
-from batchinfer.engine.regex_syntax import check_pattern
 from batchinfer.sampling_params import StructuredOutputsParams
+from batchinfer.structured.json_schema import json_schema_regex
+from batchinfer.structured.regex_automaton import RegexAutomaton
+from batchinfer.structured.regex_syntax import check_pattern
 
 
 def _string(max_length: int) -> dict:
@@ -118,7 +118,7 @@ def _run_once(schema: Any, instance: Any, tokenizer=None,
     if tokenizer is not None:
         import torch
 
-        from batchinfer.engine.regex_guide import RegexGuide, RegexMatcher
+        from batchinfer.structured.regex_guide import RegexGuide, RegexMatcher
         guide = RegexGuide(pattern, vocab)
         matcher = RegexMatcher(guide)
         ids = tokenizer.encode(text, add_special_tokens=False)
@@ -166,7 +166,7 @@ def main(tokenizer: str | None) -> None:
         from transformers import AutoTokenizer
 
         from batchinfer.bench.models import resolve_model
-        from batchinfer.engine.regex_guide import VocabBytes, token_bytes
+        from batchinfer.structured.regex_guide import VocabBytes, token_bytes
         try:
             path = resolve_model(tokenizer, load_format="dummy").path
         except ValueError as e:

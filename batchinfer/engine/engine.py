@@ -14,7 +14,6 @@ from batchinfer.engine.detokenizer import IncrementalDetokenizer
 from batchinfer.engine.kv_cache_manager import KVCacheManager
 from batchinfer.engine.model_runner import ModelRunner, RunnerOutput
 from batchinfer.engine.output_processor import OutputProcessor
-from batchinfer.engine.regex_guide import RegexGuide, VocabBytes, token_bytes
 from batchinfer.engine.request import Request, RequestStatus
 from batchinfer.engine.scheduler import Scheduler, SchedulerOutput
 from batchinfer.engine.tensor_parallel import (RunnerArgs, TensorParallelGroup, WorkerError,
@@ -24,6 +23,7 @@ from batchinfer.model.loader import resolve_model_path, resolve_tokenizer_path
 from batchinfer.model.parallel import TensorParallel
 from batchinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from batchinfer.sampling_params import SamplingParams
+from batchinfer.structured.regex_guide import RegexGuide, VocabBytes, token_bytes
 
 # distinct regex patterns whose guides (and the DFA states they reached) are kept
 MAX_REGEX_GUIDES = 64

@@ -14,7 +14,6 @@ from batchinfer.attention import AttentionMetadata, get_attention_backend
 from batchinfer.config import EngineConfig
 from batchinfer.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from batchinfer.engine.host_memory import KVPagePopulator, keep_freed_memory
-from batchinfer.engine.regex_guide import RegexMatcher
 from batchinfer.engine.sampler import Sampler, SamplingBatch, logprobs
 from batchinfer.engine.scheduler import SchedulerOutput
 from batchinfer.model import cpu_linear
@@ -22,6 +21,8 @@ from batchinfer.model.config import ModelConfig
 from batchinfer.model.loader import load_model
 from batchinfer.model.parallel import TensorParallel
 from batchinfer.sampling_params import SamplingParams
+from batchinfer.structured.choice import ChoiceTrie
+from batchinfer.structured.regex_guide import RegexMatcher
 
 CPU_DEFAULT_KV_BYTES = 4 << 30
 
@@ -58,34 +59,6 @@ class RunnerRequest:
                     if p.logit_bias else None)
             self._constraint_tensors = (allowed, bias)
         return self._constraint_tensors
-
-
-class ChoiceTrie:
-    """The token sequences a structured-output choice allows, as a trie: which tokens may
-    follow what was generated so far (the end-of-sequence tokens once a choice is
-    complete)."""
-
-    error = None  # a trie is built whole: nothing can fail later
-
-    def __init__(self, choices: list[list[int]]):
-        self.root: dict = {}
-        for ids in choices:
-            node = self.root
-            for t in ids:
-                node = node.setdefault(t, {})
-            node[None] = True  # a choice ends here
-
-    def next_tokens(self, generated: list[int], eos_token_ids: frozenset[int],
-                    device: torch.device) -> torch.Tensor:
-        node = self.root
-        for t in generated:
-            node = node.get(t)
-            if node is None:  # off the trie (cannot happen: every token came from it)
-                return torch.tensor(sorted(eos_token_ids), device=device)
-        allowed = [t for t in node if t is not None]
-        if None in node:
-            allowed += sorted(eos_token_ids)
-        return torch.tensor(allowed, device=device)
 
 
 @dataclass

@@ -27,7 +27,7 @@ def test_hostile_constraints_are_refused_at_once(name):
 def test_allowed_tokens_are_timed_with_a_tokenizer(llama_dir):
     from transformers import AutoTokenizer
 
-    from batchinfer.engine.regex_guide import VocabBytes, token_bytes
+    from batchinfer.structured.regex_guide import VocabBytes, token_bytes
     tokenizer = AutoTokenizer.from_pretrained(llama_dir)
     cost = measure(*REALISTIC["label"], tokenizer, VocabBytes(token_bytes(tokenizer)))
     assert cost.tokens_s is not None and cost.total_s < 2.0, cost

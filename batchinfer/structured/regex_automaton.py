@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import time
 
-from batchinfer.engine.regex_syntax import (MAX_NFA_STATES, UTF8_MULTIBYTE, CharSet,
+from batchinfer.structured.regex_syntax import (MAX_NFA_STATES, UTF8_MULTIBYTE, CharSet,
                                             RegexTooLarge, check_size, parse)
 
 # The most configurations one DFA state may hold: as many as the NFA states the size

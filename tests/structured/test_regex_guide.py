@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from batchinfer import LLM, SamplingParams
-from batchinfer.engine.regex_automaton import RegexAutomaton
-from batchinfer.engine.regex_guide import RegexGuide, VocabBytes, token_bytes
+from batchinfer.structured.regex_automaton import RegexAutomaton
+from batchinfer.structured.regex_guide import RegexGuide, VocabBytes, token_bytes
 
 PATTERNS = [r"\d+", r"(yes|no)", r"[A-Z][a-z]{2,4}", r"\d{3}-\d{4}", r"(ab|a)*c?", r"[^abc]+",
             r".{1,3}x", r"\w+@\w+\.com", r"(?:foo|bar)+\s?", r"[-+]?\d*\.?\d+", r"é[a-cà]*",

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from batchinfer import LLM, SamplingParams
-from batchinfer.engine import regex_automaton, regex_guide
-from batchinfer.engine.json_schema import json_schema_regex
-from batchinfer.engine.regex_automaton import RegexAutomaton
-from batchinfer.engine.regex_guide import RegexGuide, RegexMatcher, VocabBytes
-from batchinfer.engine.regex_syntax import (MAX_NFA_STATES, MAX_PATTERN_CHARS, RegexTooLarge,
+from batchinfer.structured import regex_automaton, regex_guide
+from batchinfer.structured.json_schema import json_schema_regex
+from batchinfer.structured.regex_automaton import RegexAutomaton
+from batchinfer.structured.regex_guide import RegexGuide, RegexMatcher, VocabBytes
+from batchinfer.structured.regex_syntax import (MAX_NFA_STATES, MAX_PATTERN_CHARS, RegexTooLarge,
                                             check_pattern, measure, parse)
 
 HOSTILE_REGEX = "((a{0,1000}){0,1000}){0,1000}"

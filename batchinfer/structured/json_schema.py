@@ -18,7 +18,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from batchinfer.engine.regex_syntax import MAX_PATTERN_CHARS
+from batchinfer.structured.regex_syntax import MAX_PATTERN_CHARS
 
 # one character of a JSON string: raw (not a quote, backslash or control character), or
 # escaped; \u escapes of surrogates are left out (a pair is one character, which a length

@@ -1,5 +1,5 @@
 """Completions that match a regular expression: per state of the pattern's automaton
-(batchinfer/engine/regex_automaton.py), the token ids whose bytes keep a match possible.
+(batchinfer/structured/regex_automaton.py), the token ids whose bytes keep a match possible.
 
 A token is allowed when walking its bytes from the current state never empties it. The
 end-of-sequence tokens are allowed where the state accepts. All tokens are walked together,
@@ -13,8 +13,8 @@ import json
 import numpy as np
 import torch
 
-from batchinfer.engine.regex_automaton import RegexAutomaton
-from batchinfer.engine.regex_syntax import RegexTooLarge
+from batchinfer.structured.regex_automaton import RegexAutomaton
+from batchinfer.structured.regex_syntax import RegexTooLarge
 
 # The DFA states a guide keeps, with their moves and allowed tokens (about 4 KB a state
 # of a JSON schema's: 40 MB in all). Past this they are all forgotten and built again as

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from batchinfer import LLM, SamplingParams
-from batchinfer.engine.json_schema import json_schema_regex
-from batchinfer.engine.regex_automaton import RegexAutomaton
+from batchinfer.structured.json_schema import json_schema_regex
+from batchinfer.structured.regex_automaton import RegexAutomaton
 
 LABEL = {"type": "object", "properties": {
     "label": {"enum": ["positive", "negative"]}, "confidence": {"type": "number"},

@@ -1,0 +1,32 @@
+"""Completions that are exactly one of a list of choices: the choices' token ids as a trie."""
+from __future__ import annotations
+
+import torch
+
+
+class ChoiceTrie:
+    """The token sequences a structured-output choice allows, as a trie: which tokens may
+    follow what was generated so far (the end-of-sequence tokens once a choice is
+    complete)."""
+
+    error = None  # a trie is built whole: nothing can fail later
+
+    def __init__(self, choices: list[list[int]]):
+        self.root: dict = {}
+        for ids in choices:
+            node = self.root
+            for t in ids:
+                node = node.setdefault(t, {})
+            node[None] = True  # a choice ends here
+
+    def next_tokens(self, generated: list[int], eos_token_ids: frozenset[int],
+                    device: torch.device) -> torch.Tensor:
+        node = self.root
+        for t in generated:
+            node = node.get(t)
+            if node is None:  # off the trie (cannot happen: every token came from it)
+                return torch.tensor(sorted(eos_token_ids), device=device)
+        allowed = [t for t in node if t is not None]
+        if None in node:
+            allowed += sorted(eos_token_ids)
+        return torch.tensor(allowed, device=device)
