@@ -22,7 +22,7 @@ import contextlib
 import time
 
 from batchinfer.structured.regex_syntax import (MAX_NFA_STATES, UTF8_MULTIBYTE, CharSet,
-                                            RegexTooLarge, check_size, parse)
+                                                RegexTooLarge, check_size, parse)
 
 # The most configurations one DFA state may hold: as many as the NFA states the size
 # check allows, which bounds a state exactly unless counted repeats nest (there the check

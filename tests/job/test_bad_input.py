@@ -15,6 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from batchinfer import SamplingParams
+from batchinfer.bench.structured import HOSTILE, REALISTIC
 from fake_engine import FakeEngine
 from jobtools import corrupt_row_group, nested_list
 
@@ -97,14 +98,10 @@ def test_truncate_prompt_tokens_runs_long_rows(tmp_path, run_cli, reference_llm)
         assert bad.exit_code == 2 and "--truncate-prompt-tokens" in bad.output, bad.output
 
 
-HOSTILE_REGEX = "((a{0,1000}){0,1000}){0,1000}"
-HOSTILE_SCHEMA = {"type": "array", "maxItems": 1000, "items": {"anyOf": [
-    {"type": "array", "items": {"type": "string", "maxLength": 1000}, "maxItems": 1000},
-    {"type": "array", "items": {"type": "integer"}, "maxItems": 1000}]}}
-STRINGS = {"type": "array", "items": {"type": "string", "maxLength": 1000}, "maxItems": 1000}
-DEEP = {"type": "string", "maxLength": 5}
-for _ in range(30):  # arrays nested 30 deep: a regex that doubles a level
-    DEEP = {"type": "array", "items": DEEP, "maxItems": 3}
+HOSTILE_REGEX = HOSTILE["nested-counted-regex"]
+HOSTILE_SCHEMA = HOSTILE["nested-maxItems-anyOf"]
+DEEP = HOSTILE["maxItems-30-deep"]
+STRINGS = REALISTIC["strings-1000x1000"][0]
 
 
 def test_a_constraint_too_large_fails_its_row_alone(tmp_path, run_cli):

@@ -14,24 +14,18 @@ import pytest
 import torch
 
 from batchinfer import LLM, SamplingParams
+from batchinfer.bench.structured import HOSTILE, REALISTIC
 from batchinfer.structured import regex_automaton, regex_guide
 from batchinfer.structured.json_schema import json_schema_regex
 from batchinfer.structured.regex_automaton import RegexAutomaton
 from batchinfer.structured.regex_guide import RegexGuide, RegexMatcher, VocabBytes
-from batchinfer.structured.regex_syntax import (MAX_NFA_STATES, MAX_PATTERN_CHARS, RegexTooLarge,
-                                            check_pattern, measure, parse)
+from batchinfer.structured.regex_syntax import (MAX_NFA_STATES, MAX_PATTERN_CHARS,
+                                                RegexTooLarge, check_pattern, measure, parse)
 
-HOSTILE_REGEX = "((a{0,1000}){0,1000}){0,1000}"
-# arrays of up to 1000 arrays, each of strings or of integers: which one is only known
-# after its first item, so the outer count is not known as it is read
-HOSTILE_SCHEMA = {"type": "array", "maxItems": 1000, "items": {"anyOf": [
-    {"type": "array", "items": {"type": "string", "maxLength": 1000}, "maxItems": 1000},
-    {"type": "array", "items": {"type": "integer"}, "maxItems": 1000}]}}
-STRINGS = {"type": "array", "items": {"type": "string", "maxLength": 1000}, "maxItems": 1000}
-# arrays nested 30 deep: each array's regex writes its item twice, 2**30 times in all
-DEEP = {"type": "string", "maxLength": 5}
-for _ in range(30):
-    DEEP = {"type": "array", "items": DEEP, "maxItems": 3}
+HOSTILE_REGEX = HOSTILE["nested-counted-regex"]
+HOSTILE_SCHEMA = HOSTILE["nested-maxItems-anyOf"]
+DEEP = HOSTILE["maxItems-30-deep"]
+STRINGS = REALISTIC["strings-1000x1000"][0]
 
 
 def _random_pattern(rng: random.Random, depth: int) -> str:
