@@ -190,8 +190,8 @@ def _run_locked(options: JobOptions, source: Source, outdir: OutputDir, stop: St
             writer.commit(complete=True)
         return _finish(options, outdir, manifest, finished, stop, out, err)
     except OSError as e:
-        raise OutputFailed(f"{os_error_message(e)}; {len(done)} rows are committed in {outdir.path}; "
-                           "run the same command again to continue") from e
+        raise OutputFailed(f"{os_error_message(e)}; {len(done)} rows are committed in "
+                           f"{outdir.path}; run the same command again to continue") from e
 
 
 def _run_engine(options: JobOptions, source: Source, plan: _Plan, writer: PartWriter,
