@@ -53,7 +53,8 @@ class Manifest:
     json_columns: list[str]
     output_schema: str
     num_input_rows: int | None
-    # file, rows, input_rows, bytes, ranges (the input rows it holds, RangeSet.ranges())
+    # file, rows, input_rows, bytes, ranges (the input rows it holds: runs [start, end) in
+    # the order the file holds them)
     parts: list[dict[str, Any]] = field(default_factory=list)
     done: list[list[int]] = field(default_factory=list)        # RangeSet.ranges()
     next_part: int = 0

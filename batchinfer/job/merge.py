@@ -21,7 +21,6 @@ import pyarrow.parquet as pq
 
 from batchinfer.job.errors import JobError
 from batchinfer.job.manifest import SAMPLED_FIRST, OutputDir, fsync_dir
-from batchinfer.job.rangeset import RangeSet
 from batchinfer.job.schema import schema_from_json
 
 
@@ -34,22 +33,26 @@ class _MergedFile:
         self.handle = open(self.tmp, "wb")
         self.writer = pq.ParquetWriter(self.handle, schema, compression="zstd")
         self.entry = {"file": name, "rows": 0, "input_rows": 0}
-        self.ranges: RangeSet | None = RangeSet()
+        self.runs: list[list[int]] | None = []  # its input rows, in the order it holds them
 
     def write(self, batch: pa.RecordBatch, source: dict) -> None:
-        """Write rows of the part whose manifest entry is `source`, whose input rows not yet
-        written are source["left"] (parts hold their rows in input order)."""
+        """Write rows of the file whose input rows not yet written are source["left"]:
+        runs of row indices in the order that file holds them (a part written by the job
+        holds its rows in input order; a merged file, part after part)."""
         self.writer.write_batch(batch)
         self.entry["rows"] += batch.num_rows
         first_samples = pc.equal(batch.column("sample_index"), 0)
         input_rows = pc.sum(first_samples, min_count=0).as_py()
         self.entry["input_rows"] += input_rows
-        if self.ranges is not None and source["left"] is not None:
-            taken, source["left"] = source["left"].split(input_rows)
-            for start, end in taken.ranges():
-                self.ranges.add_range(start, end)
+        if self.runs is not None and source["left"] is not None:
+            taken, source["left"] = _take(source["left"], input_rows)
+            for start, end in taken:
+                if self.runs and self.runs[-1][1] == start:
+                    self.runs[-1][1] = end
+                else:
+                    self.runs.append([start, end])
         else:
-            self.ranges = None  # a part written by an older version: its rows are not known
+            self.runs = None  # a part written by an older version: its rows are not known
 
     def close(self) -> dict:
         self.writer.close()
@@ -58,9 +61,24 @@ class _MergedFile:
         self.handle.close()
         os.replace(self.tmp, self.final)
         self.entry["bytes"] = self.final.stat().st_size
-        if self.ranges is not None:
-            self.entry["ranges"] = self.ranges.ranges()
+        if self.runs is not None:
+            self.entry["ranges"] = self.runs
         return self.entry
+
+
+def _take(runs: list[list[int]], count: int) -> tuple[list[list[int]], list[list[int]]]:
+    """The first `count` indices of runs in order, and the runs left."""
+    taken: list[list[int]] = []
+    for i, (start, end) in enumerate(runs):
+        if count <= 0:
+            return taken, runs[i:]
+        if end - start <= count:
+            taken.append([start, end])
+            count -= end - start
+        else:
+            taken.append([start, start + count])
+            return taken, [[start + count, end], *runs[i + 1:]]
+    return taken, []
 
 
 def merge_parts(outdir: OutputDir, rows_per_file: int = 1_000_000) -> tuple[int, int]:
@@ -82,8 +100,7 @@ def merge_parts(outdir: OutputDir, rows_per_file: int = 1_000_000) -> tuple[int,
         merged: list[dict] = []
         current: _MergedFile | None = None
         for entry in old:
-            source = {"left": RangeSet(tuple(r) for r in entry["ranges"])
-                      if "ranges" in entry else None}
+            source = {"left": [list(r) for r in entry["ranges"]] if "ranges" in entry else None}
             for batch in pq.ParquetFile(outdir.path / entry["file"]).iter_batches(
                     batch_size=65536):
                 if batch.schema != schema:

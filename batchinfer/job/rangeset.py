@@ -79,13 +79,3 @@ class RangeSet:
             kept_ends.append(self._ends[hi - 1])
         self._starts[lo:hi] = kept_starts
         self._ends[lo:hi] = kept_ends
-
-    def split(self, count: int) -> tuple["RangeSet", "RangeSet"]:
-        """The `count` smallest indices, and the rest."""
-        head, tail = RangeSet(), RangeSet()
-        for start, end in zip(self._starts, self._ends):
-            take = min(count, end - start)
-            head.add_range(start, start + take)
-            tail.add_range(start + take, end)
-            count -= take
-        return head, tail

@@ -283,3 +283,23 @@ def test_merge_keeps_the_samples_of_a_row_in_one_file(tmp_path):
     rows = ds.dataset(out.path).to_table(columns=["id", "sample_index"]).to_pylist()
     assert sorted((r["id"], r["sample_index"]) for r in rows) == \
         [(i, s) for i in range(ROWS) for s in range(3)]
+
+
+def test_a_merged_file_split_again_records_the_rows_it_holds(tmp_path):
+    """Parts hold their rows in input order, a merged file part after part: a second merge
+    that splits it must record each new file's rows as they are in it, so that losing one
+    recomputes exactly its rows."""
+    from batchinfer.job.merge import merge_parts
+    # the reorder window hands rows out of input order: parts hold interleaved ranges
+    assert run_fake(job(tmp_path, commit_rows=4, reorder_window=16)) == 0
+    out = OutputDir(tmp_path / "out")
+    assert merge_parts(out)[1] == 1
+    assert merge_parts(out, rows_per_file=11)[1] == 3
+    for entry in out.read_manifest().parts:
+        held = ds.dataset(out.path / entry["file"]).to_table(columns=["id"]).column("id")
+        recorded = [i for start, end in entry["ranges"] for i in range(start, end)]
+        assert held.to_pylist() == recorded
+    lost = out.read_manifest().parts[0]
+    (out.path / lost["file"]).unlink()
+    assert run_fake(job(tmp_path, commit_rows=4, reorder_window=16)) == 0
+    assert ids(out.path) == list(range(ROWS))
