@@ -274,10 +274,12 @@ class OutputDir:
         Returns a warning per dropped part. Call with the lock held."""
         warnings = []
         try:
-            if fresh:
-                for p in (self.manifest_path, self.summary_path, self.openai_path):
+            if fresh:  # the new manifest first: a crash from here on leaves this job's
+                self.save(manifest)
+                for p in (self.summary_path, self.openai_path):
                     p.unlink(missing_ok=True)
-                shutil.rmtree(self.merging, ignore_errors=True)
+                for folder in (self.merging, self.meta / "damaged"):
+                    shutil.rmtree(folder, ignore_errors=True)
             else:
                 self.finish_merge(manifest)
                 warnings = self.drop_damaged_parts(manifest)
@@ -324,7 +326,9 @@ class OutputDir:
     def drop_damaged_parts(self, manifest: Manifest) -> list[str]:
         """Take parts that are missing, of another size than written, or whose footer does
         not read back with the rows written out of `manifest` (their rows are to be done
-        again). Returns a warning naming each."""
+        again; a damaged file is moved to __batchinfer__/damaged/). Returns a warning naming
+        each. An error reading a part that may pass (EIO, EACCES...) changes nothing: it is
+        a JobError."""
         kept, warnings = [], []
         done = RangeSet(tuple(r) for r in manifest.done)
         for entry in manifest.parts:
@@ -332,14 +336,20 @@ class OutputDir:
             if problem is None:
                 kept.append(entry)
                 continue
+            path = self.path / entry["file"]
             if "ranges" not in entry:
-                raise JobError(f"{self.path / entry['file']} {problem}, and the manifest does "
-                               "not say which input rows it held (an older version wrote "
-                               "it); restore the file, or pass --overwrite to start over")
+                raise JobError(f"{path} {problem}, and the manifest does not say which input "
+                               "rows it held (an older version wrote it); restore the file, "
+                               "or pass --overwrite to start over")
             for start, end in entry["ranges"]:
                 done.remove_range(start, end)
-            warnings.append(f"{entry['file']} {problem}; its {entry['input_rows']} input "
-                            "rows will be computed again")
+            where = ""
+            if path.exists():
+                (self.meta / "damaged").mkdir(exist_ok=True)
+                os.replace(path, self.meta / "damaged" / entry["file"])
+                where = f" (moved to {META_DIR}/damaged/)"
+            warnings.append(f"{entry['file']} {problem}{where}; its {entry['input_rows']} "
+                            "input rows will be computed again")
         if warnings:
             manifest.parts, manifest.done = kept, done.ranges()
             manifest.complete = False
@@ -355,8 +365,11 @@ class OutputDir:
             return f"has {size} bytes, not the {entry['bytes']} written"
         try:
             rows = pq.read_metadata(path).num_rows
-        except (OSError, pa.ArrowException) as e:
+        except pa.ArrowInvalid as e:  # not Parquet (a damaged footer): not an I/O error
             return f"cannot be read ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+        except OSError as e:
+            raise JobError(f"cannot read {path} ({e.strerror or e}) to check it; nothing "
+                           "was changed: run again when it can be read") from None
         if rows != entry["rows"]:
             return f"holds {rows} rows, not the {entry['rows']} written"
         return None

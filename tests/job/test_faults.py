@@ -303,3 +303,35 @@ def test_a_merged_file_split_again_records_the_rows_it_holds(tmp_path):
     (out.path / lost["file"]).unlink()
     assert run_fake(job(tmp_path, commit_rows=4, reorder_window=16)) == 0
     assert ids(out.path) == list(range(ROWS))
+
+
+def test_a_part_that_cannot_be_read_for_a_moment_is_kept(tmp_path, monkeypatch):
+    """An I/O error while a part's footer is checked (EIO, a stale NFS handle) says so and
+    changes nothing; only a part that is missing, resized or not Parquet is dropped, and a
+    damaged one is kept aside in __batchinfer__/damaged/."""
+    import pyarrow.parquet as pq
+    assert run_fake(job(tmp_path)) == 0
+    out = tmp_path / "out"
+    before = (out / "__batchinfer__" / "manifest.json").read_text()
+    real = pq.read_metadata
+    calls = []
+
+    def flaky(path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(pq, "read_metadata", flaky)
+    with pytest.raises(JobError, match="Input/output error.*nothing was changed"):
+        run_fake(job(tmp_path))
+    monkeypatch.setattr(pq, "read_metadata", real)
+    assert (out / "__batchinfer__" / "manifest.json").read_text() == before
+    assert ids(out) == list(range(ROWS))
+    damaged = out / OutputDir(out).read_manifest().parts[0]["file"]
+    damaged.write_bytes(damaged.read_bytes()[:-4] + b"PAR0")  # the same size, no footer
+    err = io.StringIO()
+    assert run_fake(job(tmp_path), err) == 0
+    assert "moved to __batchinfer__/damaged/" in err.getvalue()
+    assert (out / "__batchinfer__" / "damaged" / damaged.name).exists()
+    assert ids(out) == list(range(ROWS))
