@@ -5,8 +5,9 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from batchinfer.flags import ATTENTION_BACKENDS, LOAD_FORMATS
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass
@@ -48,7 +49,7 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.load_format not in ("auto", "dummy"):
+        if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.device is not None:
             check_device(self.device)

@@ -17,6 +17,11 @@ from typing import Any
 
 import click
 
+# the names EngineConfig takes (the dtypes' torch types are config.DTYPES, which a test holds
+# to DTYPE_NAMES: config imports torch, which --help need not load)
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+LOAD_FORMATS = ("auto", "dummy")
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
                "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
                "tib": 2**40}
@@ -65,7 +70,8 @@ class Flag:
 
 
 ENGINE_FLAGS = (
-    Flag("dtype", ("--dtype",), str, "auto, float32, bfloat16 or float16."),
+    Flag("dtype", ("--dtype",), click.Choice(DTYPE_NAMES),
+         "The checkpoint's (auto), or float32, bfloat16, float16."),
     Flag("block_size", ("--block-size",), int, "Tokens per KV cache block."),
     Flag("max_num_seqs", ("--max-num-seqs",), click.IntRange(min=1),
          "Most sequences in one step."),
@@ -86,11 +92,12 @@ ENGINE_FLAGS = (
          help="Share the KV cache of common prompt prefixes."),
     Flag("tensor_parallel_size", ("--tensor-parallel-size",), click.IntRange(min=1),
          "Split the model over this many GPUs of one node."),
-    Flag("attention_backend", ("--attention-backend",), str, "auto, torch or triton."),
+    Flag("attention_backend", ("--attention-backend",), click.Choice(ATTENTION_BACKENDS),
+         "auto, torch or triton."),
     Flag("enforce_eager", ("--enforce-eager/--no-enforce-eager",),
          help="CUDA: run decode steps eagerly instead of replaying CUDA graphs."),
     Flag("device", ("--device",), str, "cpu, cuda, cuda:1 ... (default: cuda when available)."),
-    Flag("load_format", ("--load-format",), str,
+    Flag("load_format", ("--load-format",), click.Choice(LOAD_FORMATS),
          "auto (the checkpoint's weights) or dummy (random weights of the model's shapes)."),
     Flag("tokenizer", ("--tokenizer",), str, "Tokenizer directory, when not the model's."),
     Flag("trust_remote_code", ("--trust-remote-code/--no-trust-remote-code",),
@@ -160,7 +167,7 @@ def engine_kwargs(values: dict[str, Any]) -> dict[str, Any]:
 def engine_flags_in(message: str) -> str:
     """An engine error message with EngineConfig field names replaced by their flags."""
     for f in ENGINE_FLAGS:
-        message = re.sub(rf"\b{f.field or f.name}\b", _long_flag(f), message)
+        message = re.sub(rf"(?<![\w-]){f.field or f.name}\b", _long_flag(f), message)
     return message
 
 

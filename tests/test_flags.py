@@ -64,3 +64,17 @@ def test_engine_values_name_their_fields():
                                            "enable_prefix_caching": False}
     assert flags.engine_flags_in("kv_cache_memory_bytes must be > 0") == \
         "--kv-cache-memory must be > 0"
+
+
+def test_choices_are_the_engines():
+    from batchinfer.config import DTYPES
+    assert flags.DTYPE_NAMES == ("auto", *DTYPES)
+    for flag in flags.ENGINE_FLAGS:
+        if isinstance(flag.type, click.Choice):
+            assert tuple(flag.type.choices) in (flags.DTYPE_NAMES, flags.ATTENTION_BACKENDS,
+                                                flags.LOAD_FORMATS)
+
+
+def test_a_flag_already_named_is_not_renamed():
+    assert flags.engine_flags_in("--tokenizer /x: not found") == "--tokenizer /x: not found"
+    assert flags.engine_flags_in("tokenizer /x: not found") == "--tokenizer /x: not found"

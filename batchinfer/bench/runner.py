@@ -57,7 +57,7 @@ def build_requests(opts: dict, vocab_size: int, tokenize) -> tuple[str, list[Ben
 
 
 def _sampling(opts: dict) -> Sampling:
-    return Sampling(opts["temperature"], opts["top_p"], opts["top_k"], opts["min_p"],
+    return Sampling(opts["temperature"], opts["top_p"], max(opts["top_k"], 0), opts["min_p"],
                     opts["logprobs"], opts["prompt_logprobs"])
 
 

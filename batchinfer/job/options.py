@@ -266,6 +266,7 @@ class JobOptions:
             "model": local_path(self.model),
             "tokenizer": local_path(self.tokenizer),
             "dtype": self.dtype or "auto",  # the numerics of every row
+            "load_format": self.load_format or "auto",  # dummy: random weights
             "split": self.split,
             "prompt_column": self.prompt_column,
             "messages_column": self.messages_column,

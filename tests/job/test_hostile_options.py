@@ -97,3 +97,10 @@ def test_a_system_prompt_file_is_recorded_by_digest(tmp_path):
     secret.write_text("another text")
     with pytest.raises(JobError, match="system_prompt differ"):
         run_fake(options(tmp_path, system_prompt=f"@{secret}"))
+
+
+def test_random_weights_do_not_continue_a_job_of_real_ones(tmp_path):
+    """--load-format changes every row: a job is not continued under another one."""
+    assert run_fake(options(tmp_path, limit=2)) == 0
+    with pytest.raises(JobError, match="load_format differ"):
+        run_fake(options(tmp_path, load_format="dummy"))
