@@ -241,7 +241,11 @@ class OutputDir:
             raise JobError(f"--output: cannot write {os_error_message(e)}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            # a lock file removed (close() of a start that made the folder) between our
+            # open and our lock is no longer the folder's lock
+            if os.fstat(fd).st_ino != os.stat(self.meta / "lock", follow_symlinks=False).st_ino:
+                raise BlockingIOError
+        except (BlockingIOError, FileNotFoundError):
             os.close(fd)
             raise JobError(f"another batchinfer process is writing to {self.path}; wait for "
                            "it to finish or choose another --output") from None
