@@ -97,6 +97,7 @@ class ModelConfig:
         config, architecture = _text_config(hf_config)
         architecture = architecture or _architecture(config)
         arch = ARCHITECTURES[architecture]
+        _check_not_quantized(hf_config, config)
         _check(config)
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -168,6 +169,21 @@ def _check(config) -> None:
             raise ValueError(f"{name} is not supported (Gemma 2's tanh soft-capping)")
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError("use_bidirectional_attention is not supported (embedding models)")
+
+
+def _check_not_quantized(*configs) -> None:
+    """Refuse a quantized checkpoint (config.json's quantization_config) by its method, when
+    the config is read: its weights (FP8, AWQ, GPTQ, ...) and their scales have no place in
+    the model's full-precision layers."""
+    for config in configs:
+        quant = getattr(config, "quantization_config", None)
+        if quant is None:
+            continue
+        method = (quant.get("quant_method") if isinstance(quant, dict)
+                  else getattr(quant, "quant_method", None))
+        raise ValueError(f"the checkpoint is quantized (quantization_config.quant_method "
+                         f"{str(method)!r}), which is not supported: use its unquantized "
+                         "(bfloat16 or float16) checkpoint")
 
 
 def _sliding_window(config, arch: _Arch, layer_idx: int) -> int | None:

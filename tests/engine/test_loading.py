@@ -183,3 +183,24 @@ def test_dummy_weights_load_format(llama_dir):
     llm = LLM(model=str(llama_dir), load_format="dummy")
     outs = llm.generate(PROMPTS, GREEDY)
     assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
+
+
+@pytest.mark.parametrize("quant", [
+    {"quant_method": "fp8", "weight_block_size": [128, 128]},
+    {"quant_method": "compressed-tensors", "format": "float-quantized"},
+    {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0},
+    {"quant_method": "awq", "bits": 4, "group_size": 128},
+])
+def test_a_quantized_checkpoint_is_refused_before_its_weights_load(tmp_path, llama_dir,
+                                                                    monkeypatch, quant):
+    import batchinfer.engine.model_runner as model_runner
+    model = shutil.copytree(llama_dir, tmp_path / "quantized")
+    config = json.loads((model / "config.json").read_text())
+    config["quantization_config"] = quant
+    (model / "config.json").write_text(json.dumps(config))
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("weights were loaded")
+    monkeypatch.setattr(model_runner, "load_model", load_model)
+    with pytest.raises(ValueError, match=f"quant_method '{quant['quant_method']}'"):
+        LLM(model=str(model))
