@@ -34,6 +34,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchinfer.job.durable import (NotSynced, atomic_write_bytes, fsync_dir, os_error_message,
+                                     remove_quietly, write_durably)
 from batchinfer.job.errors import JobError
 from batchinfer.job.rangeset import RangeSet
 
@@ -139,62 +141,6 @@ def job_differences(old: dict[str, Any], new: dict[str, Any], prefix: str = "") 
         elif a != b:
             out.append(prefix + key)
     return out
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class NotSynced(OSError):
-    """A file was replaced, but syncing its folder failed: the new content is in place
-    and seen by readers, but a crash of the machine may still undo it."""
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Replace `path` with `data`: temporary file in the same folder, fsync, rename. Raises
-    NotSynced when only the last step (syncing the folder) failed; on any other failure
-    `path` is as it was and the temporary file is gone."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    _write_durably(tmp, lambda f: f.write(data))
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        _remove_quietly(tmp)
-        raise
-    try:
-        fsync_dir(path.parent)
-    except OSError as e:
-        raise NotSynced(e.errno, e.strerror, str(path.parent)) from e
-
-
-def _write_durably(path: Path, write: Any) -> None:
-    """Create `path` with what `write(file)` writes, fsynced; removed again on failure."""
-    try:
-        with open(path, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        _remove_quietly(path)
-        raise
-
-
-def _remove_quietly(path: Path) -> None:
-    try:
-        path.unlink(missing_ok=True)
-    except OSError:
-        pass  # left for remove_orphans
-
-
-def os_error_message(e: OSError) -> str:
-    """`path: cause` of an OSError, for a one-line message."""
-    where = e.filename if e.filename is not None else ""
-    cause = e.strerror or str(e)
-    return f"{where}: {cause}" if where else cause
 
 
 class OutputDir:
@@ -388,13 +334,13 @@ class OutputDir:
         atomically and durably; returns its size."""
         folder = folder or self.path
         final, tmp = folder / name, folder / f".{name}.tmp"
-        _write_durably(tmp, lambda f: pq.write_table(table, f, compression="zstd"))
+        write_durably(tmp, lambda f: pq.write_table(table, f, compression="zstd"))
         try:
             os.replace(tmp, final)
             fsync_dir(folder)
         except BaseException:
-            _remove_quietly(tmp)
-            _remove_quietly(final)
+            remove_quietly(tmp)
+            remove_quietly(final)
             raise
         return final.stat().st_size
 
@@ -417,7 +363,7 @@ class OutputDir:
             raise
         except BaseException:
             manifest.parts, manifest.done = before
-            _remove_quietly(self.path / name)
+            remove_quietly(self.path / name)
             raise
 
     def save(self, manifest: Manifest) -> None:

@@ -20,7 +20,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchinfer.job.errors import JobError
-from batchinfer.job.manifest import SAMPLED_FIRST, OutputDir, fsync_dir
+from batchinfer.job.durable import fsync_dir
+from batchinfer.job.manifest import SAMPLED_FIRST, OutputDir
 from batchinfer.job.schema import schema_from_json
 
 

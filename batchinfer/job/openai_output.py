@@ -16,7 +16,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from batchinfer.job.manifest import fsync_dir
+from batchinfer.job.durable import fsync_dir
 from batchinfer.job.prompts import COMPLETIONS_URL
 
 _COLUMNS = ("id", "sample_index", "url", "body", "completion", "finish_reason",

@@ -21,8 +21,9 @@ from typing import Any, Protocol, TextIO
 
 from batchinfer.engine.gc_freeze import startup_heap_frozen
 from batchinfer.flags import engine_flags_in
+from batchinfer.job.durable import os_error_message
 from batchinfer.job.errors import JobError, OutputFailed
-from batchinfer.job.manifest import Manifest, OutputDir, fingerprint, now_iso, os_error_message
+from batchinfer.job.manifest import Manifest, OutputDir, fingerprint, now_iso
 from batchinfer.job.metrics import JobMetrics
 from batchinfer.job.openai_output import write_openai_output
 from batchinfer.job.options import JobOptions, flag

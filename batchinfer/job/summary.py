@@ -81,7 +81,7 @@ def compute_summary(paths: list[Path], wall_s: float) -> dict[str, Any]:
 
 
 def write_summary(path: Path, summary: dict[str, Any]) -> None:
-    from batchinfer.job.manifest import atomic_write_bytes
+    from batchinfer.job.durable import atomic_write_bytes
     atomic_write_bytes(path, (json.dumps(summary, indent=2) + "\n").encode())
 
 

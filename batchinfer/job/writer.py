@@ -9,7 +9,8 @@ import numpy as np
 import pyarrow as pa
 
 from batchinfer.job.errors import JobError
-from batchinfer.job.manifest import Manifest, NotSynced, OutputDir
+from batchinfer.job.durable import NotSynced
+from batchinfer.job.manifest import Manifest, OutputDir
 from batchinfer.job.prompts import PromptSpec, WorkItem
 from batchinfer.job.rangeset import RangeSet
 from batchinfer.outputs import FlatLogprobs, RequestOutput
