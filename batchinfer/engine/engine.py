@@ -307,9 +307,7 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         result = self._execute(plan)
         sampled = self.scheduler.update_from_output(plan, result.req_ids, result.token_ids)
-        stopped = self.output_processor.process(sampled, result.token_ids, result.logprobs,
-                                                result.prompt_logprobs, self.scheduler.requests,
-                                                result.errors)
+        stopped = self.output_processor.process(sampled, result, self.scheduler.requests)
         for req, status in stopped:
             self.scheduler.finish(req, status)
             output = self.output_processor.finish(req)

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchinfer.engine.model_runner import RunnerOutput
 from batchinfer.engine.request import Request, RequestStatus
 from batchinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
@@ -40,15 +41,14 @@ class OutputProcessor:
         parent = self.parents.pop(request_id, None)
         return parent.children if parent is not None else []
 
-    def process(self, sampled: list[Request], tokens: list[int], logprobs: list | None,
-                prompt_logprobs: dict[str, tuple[int, list]] | None,
-                requests: dict[str, Request],
-                errors: dict[str, str] | None = None) -> list[tuple[Request, RequestStatus]]:
-        """Record what a step computed for the requests that sampled `tokens` (appended to
-        them already) and those that scored prompt positions; returns the requests that
-        stop, with why. `errors`: the requests whose structured output cannot go on (their
-        error is kept for their output)."""
-        for req_id, (first, rows) in (prompt_logprobs or {}).items():
+    def process(self, sampled: list[Request], result: RunnerOutput,
+                requests: dict[str, Request]) -> list[tuple[Request, RequestStatus]]:
+        """Record what a step computed (`result`) for the requests that sampled a token
+        (`sampled`, in result.req_ids' order, the token appended already) and those that
+        scored prompt positions; returns the requests that stop, with why. A request in
+        result.errors (its structured output cannot go on) stops with its error."""
+        tokens, logprobs, errors = result.token_ids, result.logprobs, result.errors
+        for req_id, (first, rows) in (result.prompt_logprobs or {}).items():
             req = requests[req_id]
             self._record_prompt_logprobs(req, first, rows)
             self.on_prompt_logprobs(req)
