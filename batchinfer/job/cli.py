@@ -5,9 +5,9 @@ from typing import Any
 
 import click
 
+from batchinfer import flags
 from batchinfer.job.config_file import load_job_file
 from batchinfer.job.errors import JobError
-from batchinfer import flags
 from batchinfer.job.options import OUTPUT_FORMATS, JobOptions
 
 

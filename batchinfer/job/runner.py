@@ -5,8 +5,8 @@
                   └──────────────────────────▶ PartWriter ◀── sample_rows ◀──┘
 
 Everything a user can get wrong is checked before the model loads. SIGTERM, SIGINT and
-SIGHUP stop the loop after the current step; finished rows are committed and the exit code is
-128 + the signal, so a scheduler such as Slurm can requeue the job, which then continues.
+SIGHUP stop the loop after the current step; finished rows are committed and the exit code
+is 128 + the signal, so a scheduler such as Slurm can requeue the job, which then continues.
 """
 from __future__ import annotations
 
