@@ -1,2 +1,3 @@
-"""Triton kernels for GPUs: paged attention (decode and prefill), the KV-cache write and the
-fused mixture-of-experts products. On a CPU they run only under the Triton interpreter."""
+"""Triton kernels for GPUs: paged attention (decode and prefill), the KV-cache write, the
+fused mixture-of-experts products and the FP8 linear layers (`fp8_matmul.linear`). On a CPU
+they run only under the Triton interpreter."""
