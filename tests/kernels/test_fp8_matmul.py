@@ -25,6 +25,12 @@ ROUNDING = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10, torch.float32:
 # cores add a slice's 128 products with about 14 bits: more slack on a GPU.
 ACCUMULATION = 2e-4 if DEVICE.type == "cuda" else 1e-5
 
+# Quantized activations and FP8 products need FP8 tensor cores on a GPU (not under the
+# interpreter, which emulates them).
+needs_fp8 = pytest.mark.skipif(
+    DEVICE.type == "cuda" and torch.cuda.get_device_capability() < (8, 9),
+    reason="FP8 activations need compute capability 8.9 or above")
+
 FACTORS = ((1, 5, 33), (128, 576), (96, 200), (128, "K"), ("bfloat16", "float16"),
            (False, True))
 # (M, K, N, group_size, dtype, bias): a pairwise-covering subset. K = 576 has a partial
@@ -110,6 +116,7 @@ def assert_tight(got, ref, magnitude, dtype):
     assert (err <= bound).all(), (err.flatten()[worst], bound.flatten()[worst])
 
 
+@needs_fp8
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("group", [128, "K"])
 @pytest.mark.parametrize("mode", ["dynamic", "scale_ub", "static"])
@@ -134,6 +141,7 @@ def test_quantize_matches_torch(mode, group, dtype):
         assert (q.cpu().float().abs() == 448.0).sum() > 1
 
 
+@needs_fp8
 def test_quantize_rounds_to_nearest_even_at_every_step():
     # Every float8 value's neighbourhood: the midpoints to the next value (ties) and the
     # float32 values just beside them, subnormals included, both signs, and values past 448.
@@ -154,6 +162,7 @@ def test_quantize_rounds_to_nearest_even_at_every_step():
     assert q.cpu().view(torch.uint8)[0, 2] == 0x80
 
 
+@needs_fp8
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_w8a8_matches_the_dequantized_product(case):
     m, k, n, group, dtype, has_bias = case
@@ -213,6 +222,7 @@ def test_w8a16_widens_every_float8_value_exactly():
     assert torch.equal(got.cpu().float(), rows.view(FP8).float().T)
 
 
+@needs_fp8
 def test_linear_with_a_static_input_scale():
     m, k, n, group_size = 5, 576, 96, 128
     x = _inputs(m, k, torch.bfloat16, seed=4)
