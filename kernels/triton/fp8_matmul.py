@@ -25,8 +25,8 @@ scales expanded to one row per output feature) and K for per-channel or per-tens
   directly by its tests.
 
 Two things differ under the interpreter and are handled in the kernels: its float32 ->
-float8 cast truncates and mishandles carries into the exponent, so quantized values are
-first rounded to the FP8 grid in float32 (`_round_to_e4m3`, exact on a GPU as well) and the
+float8 cast does not round to nearest even (ties and carries into the exponent come out
+wrong), so quantized values are first rounded to the FP8 grid in float32 (`_round_to_e4m3`, exact on a GPU as well) and the
 cast only stores them; and it multiplies bfloat16 tiles as raw bits, so the W8A16 kernel's
 tiles go to float32 before tl.dot there (`dot_settings`). FP8 tiles in tl.dot are exact
 under the interpreter and stay FP8.
@@ -63,7 +63,7 @@ def _round_to_e4m3(v):
 def _e4m3_to_float32(b):
     """float8_e4m3fn bytes (uint8) as float32 with integer operations only: the sign and the
     seven exponent-mantissa bits moved to float32's places, then scaled by 2^120 (exact,
-    subnormals included; the NaN bytes 0x7f and 0xff read as -+480)."""
+    subnormals included; the NaN bytes 0x7f and 0xff read as 480 and -480)."""
     b = b.to(tl.int32)
     bits = ((b & 0x7F) << 20) | ((b & 0x80) << 24)
     return bits.to(tl.float32, bitcast=True) * _E4M3_FROM_F32_BITS
