@@ -12,6 +12,8 @@ piece once for all rows of x. More rows (prefill), or tensors the kernel does no
 (supports()), or no kernel (no gcc, BATCHINFER_CPU_KERNELS=0): the tiled path dequantises
 at most TILE_BYTES of W's rows at a time to x's dtype and multiplies them with F.linear
 (oneDNN), writing the output's columns. Neither path ever holds a full-precision copy of W.
+The tiles are dequantised by the same C library where it is built (torch's own float8
+conversion, the fallback, takes several times longer).
 """
 from __future__ import annotations
 
@@ -27,19 +29,24 @@ SOURCE = Path(__file__).with_name("fp8_linear.c")
 # Rows of x up to which linear() runs the C kernel; from there on, the tiled path. A first
 # guess, to be set from `batchinfer bench kernels --cpu-fp8-linear`.
 KERNEL_MAX_ROWS = 32
-# Scratch of the tiled path: W's rows dequantised at a time (float32, then x's dtype).
+# Scratch of the tiled path: W's rows dequantised at a time (in x's dtype; the fallback and
+# float16 go through float32 first).
 TILE_BYTES = 8 << 20
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class Fp8LinearKernel:
-    """fp8_linear.c's entry point, with the argument checks that keep it in bounds."""
+    """fp8_linear.c's entry points, with the argument checks that keep them in bounds."""
 
     def __init__(self, path: Path):
+        lib = ctypes.CDLL(str(path))
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._fn = build.entry_points(
-            ctypes.CDLL(str(path)), {torch.float32: "fp8_linear_f32"},
-            [p, i64, p, p, p, p, i64, i64, i64, i64], None)[torch.float32]
+        self._fn = build.entry_points(lib, {torch.float32: "fp8_linear_f32"},
+                                      [p, i64, p, p, p, p, i64, i64, i64, i64],
+                                      None)[torch.float32]
+        self._dequantize = build.entry_points(lib, {torch.float32: "fp8_dequantize"},
+                                              [p, p, p, i64, i64, i64, ctypes.c_int],
+                                              None)[torch.float32]
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                  group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -63,19 +70,39 @@ class Fp8LinearKernel:
                  group_size)
         return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
+    def dequantize(self, weight: torch.Tensor, weight_scale: torch.Tensor, group_size: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+        """dequant(weight) [N, K] in dtype (bfloat16, float16 or float32; rounded once from
+        float32), a new tensor, for weights weight_fits()."""
+        if not (weight_fits(weight, weight_scale, group_size) and dtype in X_DTYPES):
+            raise ValueError("cpu fp8 dequantize: arguments out of contract")
+        out = torch.empty(weight.shape, dtype=torch.bfloat16 if dtype == torch.bfloat16
+                          else torch.float32)
+        self._dequantize(weight.data_ptr(), weight_scale.data_ptr(), out.data_ptr(),
+                         weight.shape[0], weight.shape[1], group_size,
+                         int(dtype == torch.bfloat16))
+        return out.to(dtype)
+
+
+def weight_fits(weight: torch.Tensor, weight_scale: torch.Tensor, group_size: int) -> bool:
+    """Whether the C code takes this weight (whether or not it is built here): CPU tensors,
+    weight float8_e4m3fn [N, K] contiguous, weight_scale float32 [N, ceil(K / group_size)]
+    contiguous."""
+    return (isinstance(group_size, int) and group_size >= 1
+            and weight.device.type == weight_scale.device.type == "cpu"
+            and weight.dtype == torch.float8_e4m3fn and weight.dim() == 2
+            and weight.is_contiguous() and weight.shape[1] >= 1
+            and weight_scale.dtype == torch.float32 and weight_scale.is_contiguous()
+            and weight_scale.shape == (weight.shape[0], -(-weight.shape[1] // group_size)))
+
 
 def fits(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
          group_size: int) -> bool:
-    """Whether the C kernel takes these tensors (whether or not it is built here): CPU
-    tensors, x [..., K] bfloat16, float16 or float32, weight float8_e4m3fn [N, K]
-    contiguous, weight_scale float32 [N, ceil(K / group_size)] contiguous."""
-    return (isinstance(group_size, int) and group_size >= 1
-            and x.device.type == weight.device.type == weight_scale.device.type == "cpu"
-            and x.dtype in X_DTYPES and x.dim() >= 1
-            and weight.dtype == torch.float8_e4m3fn and weight.dim() == 2
-            and weight.is_contiguous() and weight.shape[1] == x.shape[-1] >= 1
-            and weight_scale.dtype == torch.float32 and weight_scale.is_contiguous()
-            and weight_scale.shape == (weight.shape[0], -(-weight.shape[1] // group_size)))
+    """Whether the C kernel takes these tensors (whether or not it is built here): x
+    [..., K] bfloat16, float16 or float32 on the CPU (any layout), and a weight
+    weight_fits()."""
+    return (weight_fits(weight, weight_scale, group_size) and x.device.type == "cpu"
+            and x.dtype in X_DTYPES and x.dim() >= 1 and x.shape[-1] == weight.shape[1])
 
 
 def _bias_fits(bias: torch.Tensor | None, weight: torch.Tensor) -> bool:
@@ -119,8 +146,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
         raise ValueError(f"fp8 linear: bias is {tuple(bias.shape)}, expected {(n,)}")
     if x.numel() // max(k, 1) <= KERNEL_MAX_ROWS and supports(x, weight, weight_scale,
                                                               group_size):
-        return _kernel()(x, weight, weight_scale, group_size, bias)
+        return linear_kernel(x, weight, weight_scale, group_size, bias)
     return linear_tiled(x, weight, weight_scale, group_size, bias)
+
+
+def linear_kernel(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                  group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """linear() by the C kernel (Fp8LinearKernel.__call__), whatever the row count, for
+    tensors supports() takes."""
+    return _kernel()(x, weight, weight_scale, group_size, bias)
 
 
 def linear_tiled(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -131,25 +165,31 @@ def linear_tiled(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     b = None if bias is None else bias.to(x.dtype)
-    row_bytes = k * (4 + (x.element_size() if x.dtype != torch.float32 else 0))
-    rows = max(1, TILE_BYTES // max(row_bytes, 1))
+    # scratch per weight: the tile in x's dtype, after a float32 one where the C library
+    # does not write x's dtype itself
+    in_c = weight_fits(weight, weight_scale, group_size) and x.dtype in X_DTYPES \
+        and available()
+    through_float32 = x.dtype != torch.float32 and (not in_c or x.dtype == torch.float16)
+    rows = max(1, TILE_BYTES // (k * (x.element_size() + 4 * through_float32)))
     if rows >= 64:
         rows -= rows % 64
     if rows >= n:
-        out = F.linear(x2, dequantize(weight, weight_scale, group_size).to(x.dtype), b)
+        out = F.linear(x2, dequantize(weight, weight_scale, group_size, x.dtype), b)
         return out.reshape(*x.shape[:-1], n)
     out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
     for n0 in range(0, n, rows):
         n1 = min(n, n0 + rows)
-        w = dequantize(weight[n0:n1], weight_scale[n0:n1], group_size).to(x.dtype)
+        w = dequantize(weight[n0:n1], weight_scale[n0:n1], group_size, x.dtype)
         out[:, n0:n1] = F.linear(x2, w, None if b is None else b[n0:n1])
     return out.reshape(*x.shape[:-1], n)
 
 
-def dequantize(weight: torch.Tensor, weight_scale: torch.Tensor,
-               group_size: int) -> torch.Tensor:
-    """float32 weight [rows, K] * weight_scale [rows, G] per group of group_size columns
-    (a new tensor; callers pass a tile of rows)."""
+def dequantize(weight: torch.Tensor, weight_scale: torch.Tensor, group_size: int,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """dequant(weight) [rows, K] in dtype, rounded once from float32 (a new tensor; callers
+    pass a tile of rows): by the C library where it takes the weight, else by torch."""
+    if weight_fits(weight, weight_scale, group_size) and dtype in X_DTYPES and available():
+        return _kernel().dequantize(weight, weight_scale, group_size, dtype)
     w = weight.to(torch.float32, copy=True)  # never the caller's tensor, scaled in place
     k = w.shape[1]
     full = k // group_size  # whole groups; a last partial one after them
@@ -158,4 +198,4 @@ def dequantize(weight: torch.Tensor, weight_scale: torch.Tensor,
         w[:, :full * group_size].unflatten(1, (full, group_size)).mul_(scale[:, :full, None])
     if full * group_size < k:
         w[:, full * group_size:].mul_(scale[:, full:])
-    return w
+    return w.to(dtype)

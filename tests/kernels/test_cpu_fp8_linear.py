@@ -85,9 +85,8 @@ CASES = [  # rows of x, N, K, group_size, dtype, bias
 @pytest.mark.parametrize("rows,n,k,group_size,dtype,with_bias", CASES, ids=[
     f"{m}x{n}x{k}-g{g}-{str(d)[6:]}{'-bias' if b else ''}" for m, n, k, g, d, b in CASES])
 def test_linear_matches_float64(path, monkeypatch, rows, n, k, group_size, dtype, with_bias):
-    if path == "tiled":  # tiles of 40 rows: several, the last one partial
-        row_bytes = k * (4 + (torch.finfo(dtype).bits // 8 if dtype != torch.float32 else 0))
-        monkeypatch.setattr(fp8_linear, "TILE_BYTES", 40 * row_bytes)
+    if path == "tiled":  # tiles of at most 40 rows: several, the last one partial
+        monkeypatch.setattr(fp8_linear, "TILE_BYTES", 40 * k * 2)
     weight, weight_scale = quantized(n, k, group_size, seed=rows * n + k)
     gen = torch.Generator().manual_seed(k)
     x = torch.randn(rows, k, generator=gen).to(dtype)
@@ -163,15 +162,36 @@ def test_shapes_that_do_not_match_are_refused(kernel):
         fp8_linear.linear(x, weight, weight_scale, 128, torch.zeros(95))
 
 
-def test_without_the_kernel_every_row_count_runs_tiled(monkeypatch):
-    """Where the library cannot be built (or BATCHINFER_CPU_KERNELS=0), decode sizes too."""
+@pytest.mark.parametrize("rows,n,k,group_size,dtype,with_bias", [
+    (1, 96, 64, 64, torch.bfloat16, False), (3, 200, 576, 128, torch.float32, True),
+    (70, 96, 100, 7, torch.bfloat16, True)])
+def test_without_the_kernel_every_row_count_runs_tiled(monkeypatch, rows, n, k, group_size,
+                                                       dtype, with_bias):
+    """Where the library cannot be built (or BATCHINFER_CPU_KERNELS=0), decode sizes too,
+    with torch dequantising the tiles."""
     monkeypatch.setattr(fp8_linear, "_kernel", lambda: None)
+    monkeypatch.setattr(fp8_linear, "TILE_BYTES", 40 * k * 6)  # several tiles
     tiled = fp8_linear.linear_tiled
     calls = []
     monkeypatch.setattr(fp8_linear, "linear_tiled", lambda *a: calls.append(1) or tiled(*a))
-    weight, weight_scale = quantized(96, 64, 64, seed=6)
-    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    weight, weight_scale = quantized(n, k, group_size, seed=6)
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
     assert not fp8_linear.available()
-    out = fp8_linear.linear(x, weight, weight_scale, 64)
+    out = fp8_linear.linear(x, weight, weight_scale, group_size, bias)
     assert calls == [1]
-    assert_matches(out, x, weight, weight_scale, 64)
+    assert_matches(out, x, weight, weight_scale, group_size, bias)
+
+
+@pytest.mark.parametrize("k,group_size", [(576, 128), (100, 7), (64, 64)])
+def test_dequantize_gives_torchs_bits(kernel, k, group_size):
+    """The C library's dequantisation of the tiled path: float32 W * scale, rounded once
+    to the dtype as torch rounds it, whatever the scale."""
+    weight, weight_scale = quantized(37, k, group_size, seed=k)
+    weight_scale[:4] *= 2 ** 14
+    groups = torch.arange(k) // group_size
+    expected = weight.float() * weight_scale[:, groups]
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        out = kernel.dequantize(weight, weight_scale, group_size, dtype)
+        assert out.dtype == dtype and torch.equal(out, expected.to(dtype))
