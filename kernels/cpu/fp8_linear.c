@@ -22,8 +22,7 @@
  * 16 zero (the caller pads).
  *
  * fp8_dequantize writes dequant(W) out whole, in float32 or bfloat16, for a tile of W's rows
- * that a caller multiplies in that type (torch's own float8 conversion takes several times
- * longer).
+ * that a caller multiplies in that type (with the same vectorised conversion).
  *
  * Written with GCC/Clang vector extensions (vec.h), which the compiler maps to AVX-512,
  * AVX2 or NEON, and one AVX-512 intrinsic where the host has it (e4m3_scaled_down). The

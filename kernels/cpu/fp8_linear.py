@@ -12,8 +12,8 @@ piece once for all rows of x. More rows (prefill), or tensors the kernel does no
 (supports()), or no kernel (no gcc, BATCHINFER_CPU_KERNELS=0): the tiled path dequantises
 at most TILE_BYTES of W's rows at a time to x's dtype and multiplies them with F.linear
 (oneDNN), writing the output's columns. Neither path ever holds a full-precision copy of W.
-The tiles are dequantised by the same C library where it is built (torch's own float8
-conversion, the fallback, takes several times longer).
+The tiles are dequantised by the same C library's vectorised conversion where it is built,
+by torch's float8 conversion elsewhere.
 """
 from __future__ import annotations
 
@@ -131,9 +131,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     """x [..., K] times dequant(weight)^T (weight [N, K], weight_scale [N, G]), plus bias
     [N]: [..., N] in x's dtype. The C kernel for up to KERNEL_MAX_ROWS rows of x where
     supports() holds, the tiled path otherwise. ValueError for shapes that do not match."""
-    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1] or x.shape[-1] < 1:
         raise ValueError(f"fp8 linear: x {tuple(x.shape)} does not match weight "
-                         f"{tuple(weight.shape)} ([N, K] with K = x's last dimension)")
+                         f"{tuple(weight.shape)} ([N, K], K = x's last dimension, K >= 1)")
     if not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"fp8 linear: group_size must be a positive integer, got "
                          f"{group_size!r}")
@@ -144,8 +144,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                          f"{(n, groups)} for weight {(n, k)} and group_size {group_size}")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"fp8 linear: bias is {tuple(bias.shape)}, expected {(n,)}")
-    if x.numel() // max(k, 1) <= KERNEL_MAX_ROWS and supports(x, weight, weight_scale,
-                                                              group_size):
+    if x.numel() // k <= KERNEL_MAX_ROWS and supports(x, weight, weight_scale, group_size):
         return linear_kernel(x, weight, weight_scale, group_size, bias)
     return linear_tiled(x, weight, weight_scale, group_size, bias)
 
