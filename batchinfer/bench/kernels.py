@@ -1,4 +1,5 @@
-"""`batchinfer bench kernels`: the Triton attention kernels on realistic shapes.
+"""`batchinfer bench kernels`: the Triton attention kernels on realistic shapes, and with
+--cpu-fp8-linear the CPU weight-only FP8 linear product (see the end of this docstring).
 
 For each shape it prints the kernel's time and achieved memory bandwidth next to torch
 SDPA on the same shapes, and the bandwidth as a share of the device's measured copy
@@ -8,11 +9,20 @@ K/V read and written); both implementations are divided by the same bytes, so th
 ratio is their speed ratio. SDPA gets its K/V already dense (decode: GQA folded into the
 query length as the torch path does; prefill: K/V heads expanded before timing), so it
 pays nothing for the paged layout. Needs CUDA; elsewhere it says so and exits 0.
+
+--cpu-fp8-linear times, on the CPU, the FP8 weight-only product (batchinfer.kernels.cpu.
+fp8_linear: its C kernel and its tiled path, each at every row count) against bfloat16
+F.linear with oneDNN-packed weights (batchinfer.model.cpu_linear), on Llama-3-8B's linear
+shapes by default, with per-output-channel and 128-wide block scales, and reports each one's
+milliseconds and GB/s of weight bytes read (FP8: the weight and its scales; bfloat16: the
+weight). It needs no GPU.
 """
 from __future__ import annotations
 
 import json
 import math
+import statistics
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -203,6 +213,111 @@ def format_results(copy_bw: float, results: list[KernelResult], device_name: str
     return "\n".join(lines)
 
 
+# Llama-3-8B's linear layers (N x K): qkv, o, gate+up, down
+FP8_SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
+FP8_SHAPE_NAMES = dict(zip(FP8_SHAPES, ("qkv", "o", "gate_up", "down")))
+FP8_ROWS = (1, 8, 32, 64, 256)
+
+
+@dataclass
+class Fp8LinearResult:
+    shape: str                # qkv | o | gate_up | down, or N x K
+    n: int
+    k: int
+    rows: int                 # rows of x (bfloat16)
+    scales: str               # channel | block128
+    runs: str                 # what fp8_linear.linear() runs at this row count: kernel | tiled
+    kernel_ms: float | None   # None where the C kernel cannot be built
+    kernel_gbps: float | None
+    tiled_ms: float
+    tiled_gbps: float
+    bf16_ms: float
+    bf16_gbps: float
+    bf16_packed: bool         # False where oneDNN packing is not available here
+
+
+def _time_cpu_ms(fn, min_time: float) -> float:
+    """Median milliseconds of fn's calls, after one warm-up call: at least 3 calls, repeated
+    until min_time seconds have passed (at most 100 calls)."""
+    fn()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < 3 or (time.perf_counter() - start < min_time and len(times) < 100):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def _fp8_weight(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """float8_e4m3fn [n, k] spread over E4M3's range as quantised weights are, made a slice
+    of rows at a time (no float32 copy of the whole weight)."""
+    weight = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    step = max(1, (64 << 20) // (4 * k))
+    for n0 in range(0, n, step):
+        rows = min(step, n - n0)
+        weight[n0:n0 + rows] = (torch.randn(rows, k, generator=gen) * 64).clamp(-448, 448)
+    return weight
+
+
+def run_fp8_linear_bench(shapes: tuple[tuple[int, int], ...] = FP8_SHAPES,
+                         rows: tuple[int, ...] = FP8_ROWS, min_time: float = 0.5
+                         ) -> list[Fp8LinearResult]:
+    """One result per shape (N x K), row count and kind of scales (per output channel, and
+    per 128-wide block), on the CPU with torch's threads."""
+    from batchinfer.kernels.cpu import fp8_linear
+    from batchinfer.model import cpu_linear
+    gen = torch.Generator().manual_seed(0)
+    packed_ok = cpu_linear.available(torch.bfloat16)
+    results = []
+    for n, k in shapes:
+        weight = _fp8_weight(n, k, gen)
+        weight_bf16 = weight.to(torch.bfloat16)
+        scales = {"channel": k, "block128": 128}
+        weight_scales = {name: torch.rand(n, -(-k // group), generator=gen) * 1e-3
+                         for name, group in scales.items()}
+        for m in rows:
+            x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+            packed = cpu_linear.pack(weight_bf16, m) if packed_ok else None
+            bf16_ms = _time_cpu_ms(lambda: cpu_linear.apply(x, weight_bf16, packed), min_time)
+            for name, group in scales.items():
+                scale = weight_scales[name]
+                fp8_bytes = weight.numel() + scale.numel() * scale.element_size()
+                kernel_ms = None
+                if fp8_linear.supports(x, weight, scale, group):
+                    kernel_ms = _time_cpu_ms(
+                        lambda: fp8_linear.linear_kernel(x, weight, scale, group), min_time)
+                tiled_ms = _time_cpu_ms(
+                    lambda: fp8_linear.linear_tiled(x, weight, scale, group), min_time)
+                runs = "kernel" if kernel_ms is not None and m <= fp8_linear.KERNEL_MAX_ROWS \
+                    else "tiled"
+                results.append(Fp8LinearResult(
+                    FP8_SHAPE_NAMES.get((n, k), f"{n}x{k}"), n, k, m, name, runs,
+                    None if kernel_ms is None else round(kernel_ms, 3),
+                    None if kernel_ms is None else round(fp8_bytes / kernel_ms / 1e6, 1),
+                    round(tiled_ms, 3), round(fp8_bytes / tiled_ms / 1e6, 1),
+                    round(bf16_ms, 3), round(2 * weight.numel() / bf16_ms / 1e6, 1),
+                    packed is not None))
+        del weight, weight_bf16
+    return results
+
+
+def format_fp8_results(results: list[Fp8LinearResult]) -> str:
+    packed = all(r.bf16_packed for r in results)
+    lines = [f"CPU weight-only FP8 linear, bfloat16 x, {torch.get_num_threads()} threads; GB/s "
+             f"= weight bytes read / time; bfloat16 F.linear "
+             f"{'with oneDNN-packed weights' if packed else '(oneDNN packing unavailable here)'}",
+             f"{'shape':<9}{'N x K':>12}{'rows':>6}  {'scales':<9}{'runs':<7}"
+             f"{'kernel ms':>10}{'GB/s':>7}{'tiled ms':>10}{'GB/s':>7}{'bf16 ms':>10}{'GB/s':>7}"]
+    for r in results:
+        kernel_ms = "-" if r.kernel_ms is None else f"{r.kernel_ms:.3f}"
+        kernel_bw = "-" if r.kernel_gbps is None else f"{r.kernel_gbps:.1f}"
+        lines.append(f"{r.shape:<9}{f'{r.n}x{r.k}':>12}{r.rows:>6}  {r.scales:<9}{r.runs:<7}"
+                     f"{kernel_ms:>10}{kernel_bw:>7}{r.tiled_ms:>10.3f}{r.tiled_gbps:>7.1f}"
+                     f"{r.bf16_ms:>10.3f}{r.bf16_gbps:>7.1f}")
+    return "\n".join(lines)
+
+
 def _int_list(ctx, param, value: str) -> tuple[int, ...]:
     try:
         items = tuple(int(v) for v in value.split(",") if v.strip())
@@ -211,6 +326,17 @@ def _int_list(ctx, param, value: str) -> tuple[int, ...]:
     if not items or min(items) < 1:
         raise click.BadParameter(f"expected comma-separated positive integers, got {value!r}")
     return items
+
+
+def _shape_list(ctx, param, value: str) -> tuple[tuple[int, int], ...]:
+    try:
+        shapes = tuple(tuple(int(d) for d in v.lower().split("x")) for v in value.split(",")
+                       if v.strip())
+    except ValueError:
+        shapes = ()
+    if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
+        raise click.BadParameter(f"expected comma-separated NxK shapes, got {value!r}")
+    return shapes
 
 
 @click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
@@ -223,11 +349,30 @@ def _int_list(ctx, param, value: str) -> tuple[int, ...]:
 @click.option("--context-lens", default="1024,8192", callback=_int_list)
 @click.option("--max-prefill-tokens", type=click.IntRange(min=1), default=32768,
               help="Prefill shapes with more tokens (batch x context) are skipped.")
+@click.option("--cpu-fp8-linear", is_flag=True,
+              help="Instead, time the CPU weight-only FP8 linear product against bfloat16 "
+                   "F.linear with oneDNN-packed weights (no GPU needed).")
+@click.option("--fp8-shapes", default=",".join(f"{n}x{k}" for n, k in FP8_SHAPES),
+              callback=_shape_list, help="--cpu-fp8-linear: weight shapes, N x K.")
+@click.option("--fp8-rows", default=",".join(map(str, FP8_ROWS)), callback=_int_list,
+              help="--cpu-fp8-linear: rows of x.")
+@click.option("--min-time", type=click.FloatRange(min=0), default=0.5,
+              help="--cpu-fp8-linear: seconds each timing repeats for (at least 3 calls).")
 @click.option("--output-json", type=click.Path(dir_okay=False, path_type=Path), default=None)
 def main(dtype: str, block_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
          batch_sizes: tuple[int, ...], context_lens: tuple[int, ...], max_prefill_tokens: int,
-         output_json: Path | None) -> None:
-    """Time the Triton attention kernels against torch SDPA (Llama-3-8B shapes by default)."""
+         cpu_fp8_linear: bool, fp8_shapes: tuple[tuple[int, int], ...],
+         fp8_rows: tuple[int, ...], min_time: float, output_json: Path | None) -> None:
+    """Time the Triton attention kernels against torch SDPA (Llama-3-8B shapes by default);
+    with --cpu-fp8-linear, the CPU FP8 weight-only linear product against bfloat16."""
+    if cpu_fp8_linear:
+        results = run_fp8_linear_bench(fp8_shapes, fp8_rows, min_time)
+        click.echo(format_fp8_results(results))
+        if output_json is not None:
+            output_json.parent.mkdir(parents=True, exist_ok=True)
+            output_json.write_text(json.dumps({"fp8_linear": [asdict(r) for r in results]},
+                                              indent=2) + "\n")
+        return
     if not torch.cuda.is_available():
         click.echo(NO_CUDA_MESSAGE)
         return

@@ -50,22 +50,6 @@ INLINE f32x16 max_all(f32x16 v) {
     return vmax(v, SHUFFLE(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
 }
 
-/* out[i] = sum of the 16 lanes of x[i], for 16 vectors, in 15 adds and 30 shuffles */
-INLINE f32x16 transpose_sum16(const f32x16 *x) {
-    f32x16 a[8], b[4], c[2];
-    for (int i = 0; i < 8; i++)
-        a[i] = SHUFFLE(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
-             + SHUFFLE(x[2 * i], x[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    for (int i = 0; i < 4; i++)
-        b[i] = SHUFFLE(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
-             + SHUFFLE(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-    for (int i = 0; i < 2; i++)
-        c[i] = SHUFFLE(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
-             + SHUFFLE(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-    return SHUFFLE(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
-         + SHUFFLE(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-}
-
 #define MAX_PASS 8     /* query rows walked together (their q and accumulators in registers) */
 /* How far ahead of the walk its prefetches run, in K and V bytes (at least one chunk).
  * Measured on a 2-core Zen 4 VM: 16 KiB was as fast as or faster than 32 KiB to 128 KiB, by
