@@ -5,7 +5,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from batchinfer.flags import ATTENTION_BACKENDS, LOAD_FORMATS
+from batchinfer.flags import ATTENTION_BACKENDS, LOAD_FORMATS, QUANTIZATION_METHODS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -31,6 +31,7 @@ class EngineConfig:
     trust_remote_code: bool = False
     allow_pickle_weights: bool = False
     load_format: str = "auto"  # "auto" (safetensors; .bin only with allow_pickle_weights) | "dummy" (random)
+    quantization: str | None = None  # "fp8": a full-precision checkpoint's linears to FP8 at load
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -51,6 +52,9 @@ class EngineConfig:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.quantization not in (None, *QUANTIZATION_METHODS):
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; "
+                             f"got {self.quantization!r}")
         if self.device is not None:
             check_device(self.device)
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -22,6 +22,7 @@ import click
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LOAD_FORMATS = ("auto", "dummy")
+QUANTIZATION_METHODS = ("fp8",)  # linears quantized at load (a checkpoint's own: read from it)
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
                "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
                "tib": 2**40}
@@ -99,6 +100,9 @@ ENGINE_FLAGS = (
     Flag("device", ("--device",), str, "cpu, cuda, cuda:1 ... (default: cuda when available)."),
     Flag("load_format", ("--load-format",), click.Choice(LOAD_FORMATS),
          "auto (the checkpoint's weights) or dummy (random weights of the model's shapes)."),
+    Flag("quantization", ("--quantization", "-q"), click.Choice(QUANTIZATION_METHODS),
+         "fp8: quantize a full-precision checkpoint's linear layers to FP8 while loading "
+         "(an FP8 checkpoint needs no flag)."),
     Flag("tokenizer", ("--tokenizer",), str, "Tokenizer directory, when not the model's."),
     Flag("trust_remote_code", ("--trust-remote-code/--no-trust-remote-code",),
          help="Allow a model's own configuration code."),

@@ -35,7 +35,8 @@ class LLMEngine:
         self.config = config
         path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_hf(
-            AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code))
+            AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code),
+            config.quantization)
         tokenizer_path = resolve_tokenizer_path(config.tokenizer) if config.tokenizer else path
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path,
                                                        trust_remote_code=config.trust_remote_code)
@@ -342,6 +343,10 @@ class LLMEngine:
             "num_steps": self.scheduler.num_steps,
             "block_size": self.config.block_size,
             "max_model_len": self.max_model_len,
+            # this rank's weights (with tensor parallelism, each rank holds about 1/N)
+            "weight_bytes": self.model_runner.weight_bytes,
+            "quantization": (self.model_config.quantization.method
+                             if self.model_config.quantization else None),
         }
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, *,

@@ -18,7 +18,7 @@ from batchinfer.engine.sampler import Sampler, SamplingBatch, logprobs
 from batchinfer.engine.scheduler import SchedulerOutput
 from batchinfer.model import cpu_linear
 from batchinfer.model.config import ModelConfig
-from batchinfer.model.loader import load_model
+from batchinfer.model.loader import load_model, weight_bytes
 from batchinfer.model.parallel import TensorParallel
 from batchinfer.sampling_params import SamplingParams
 from batchinfer.structured.choice import ChoiceTrie
@@ -94,6 +94,7 @@ class ModelRunner:
         if device.type == "cpu":
             # decode steps multiply about max_num_seqs rows
             cpu_linear.pack_model(self.model, dtype, batch_hint=config.max_num_seqs)
+        self.weight_bytes = weight_bytes(self.model)
         attn = self.model.model.layers[0].self_attn
         self.num_layers = len(self.model.model.layers)
         self.kv_shape = (self.block_size, attn.num_kv_heads, attn.head_dim)

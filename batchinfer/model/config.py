@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from batchinfer.model.quantization import Fp8Scheme, quantization_scheme
 from batchinfer.model.rope import SUPPORTED_ROPE_TYPES
 
 
@@ -89,15 +90,18 @@ class ModelConfig:
     moe: MoEConfig | None
     dtype: Any                    # the checkpoint's, as its config gives it (or None)
     eos_token_id: int | list[int] | None
+    quantization: Fp8Scheme | None = None  # FP8 linear layers (batchinfer.model.quantization)
 
     @classmethod
-    def from_hf(cls, hf_config) -> ModelConfig:
+    def from_hf(cls, hf_config, quantization: str | None = None) -> ModelConfig:
         """The engine's view of a transformers config (a vision-language checkpoint's: its
-        text decoder's). ValueError for an architecture or a setting not implemented here."""
+        text decoder's), its linear layers quantized to FP8 when the checkpoint is or
+        quantization is "fp8". ValueError for an architecture or a setting not implemented
+        here."""
         config, architecture = _text_config(hf_config)
         architecture = architecture or _architecture(config)
         arch = ARCHITECTURES[architecture]
-        _check_not_quantized(hf_config, config)
+        scheme = quantization_scheme(hf_config, config, quantization)
         _check(config)
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -141,6 +145,7 @@ class ModelConfig:
             moe=moe,
             dtype=getattr(dtype_source, "dtype", None) or getattr(dtype_source, "torch_dtype", None),
             eos_token_id=eos if eos is not None else getattr(config, "eos_token_id", None),
+            quantization=scheme,
         )
 
 
@@ -169,21 +174,6 @@ def _check(config) -> None:
             raise ValueError(f"{name} is not supported (Gemma 2's tanh soft-capping)")
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError("use_bidirectional_attention is not supported (embedding models)")
-
-
-def _check_not_quantized(*configs) -> None:
-    """Refuse a quantized checkpoint (config.json's quantization_config) by its method, when
-    the config is read: its weights (FP8, AWQ, GPTQ, ...) and their scales have no place in
-    the model's full-precision layers."""
-    for config in configs:
-        quant = getattr(config, "quantization_config", None)
-        if quant is None:
-            continue
-        method = (quant.get("quant_method") if isinstance(quant, dict)
-                  else getattr(quant, "quant_method", None))
-        raise ValueError(f"the checkpoint is quantized (quantization_config.quant_method "
-                         f"{str(method)!r}), which is not supported: use its unquantized "
-                         "(bfloat16 or float16) checkpoint")
 
 
 def _sliding_window(config, arch: _Arch, layer_idx: int) -> int | None:

@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchinfer.attention import AttentionMetadata
-from batchinfer.model import cpu_linear, ops
+from batchinfer.model import cpu_linear, fp8, ops
 from batchinfer.model.config import LayerConfig, ModelConfig
+from batchinfer.model.quantization import LinearQuant
 from batchinfer.model.moe import EXPERT_TENSOR, SparseMoE, mixtral_name, moe_block
 from batchinfer.model.parallel import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                                        RowParallelLinear, TensorParallel, VocabParallelEmbedding)
@@ -52,8 +53,16 @@ def norm_class(config: ModelConfig) -> type[RMSNorm]:
     return GemmaRMSNorm if config.gemma_norms else RMSNorm
 
 
+def linear_quant(config: ModelConfig, prefix: str, parts: tuple[str, ...]) -> LinearQuant | None:
+    """How the linear layer fusing the checkpoint's modules `parts` under `prefix` is
+    quantized: FP8 (batchinfer.model.quantization) or None."""
+    if config.quantization is None:
+        return None
+    return config.quantization.linear_quant([f"{prefix}.{part}" for part in parts])
+
+
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: LayerConfig, backend):
+    def __init__(self, config: ModelConfig, layer: LayerConfig, backend, prefix: str):
         super().__init__()
         tp = TensorParallel.size
         self.head_dim = config.head_dim
@@ -62,9 +71,11 @@ class Attention(nn.Module):
         self.scale = config.attention_scale
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim,
                                           config.num_attention_heads, config.num_key_value_heads,
-                                          config.qkv_bias)
+                                          config.qkv_bias,
+                                          linear_quant(config, prefix, _stored_parts(config, "qkv_proj")))
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim,
-                                        config.hidden_size, bias=config.o_proj_bias)
+                                        config.hidden_size, bias=config.o_proj_bias,
+                                        quant=linear_quant(config, prefix, ("o_proj",)))
         norm = norm_class(config)
         self.q_norm = norm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = norm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -85,7 +96,8 @@ class Attention(nn.Module):
         order = torch.tensor(self.rotary_order, device=self.qkv_proj.weight.device)
         heads = self.num_heads + self.num_kv_heads
         rows = (torch.arange(heads, device=order.device)[:, None] * self.head_dim + order).flatten()
-        for param in (self.qkv_proj.weight, self.qkv_proj.bias):
+        for param in (self.qkv_proj.weight, self.qkv_proj.bias,
+                      getattr(self.qkv_proj, "weight_scale", None)):
             if param is not None:  # rows of q, then k; v's stay
                 param.data[:len(rows)] = param.data[rows]
         for norm in (self.q_norm, self.k_norm):
@@ -108,11 +120,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, prefix: str):
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(
-            config.hidden_size, [config.intermediate_size, config.intermediate_size])
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
+            config.hidden_size, [config.intermediate_size, config.intermediate_size],
+            quant=linear_quant(config, prefix, _stored_parts(config, "gate_up_proj")))
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
+                                           quant=linear_quant(config, prefix, ("down_proj",)))
         if config.hidden_act not in ACTIVATIONS:
             raise ValueError(f"activation {config.hidden_act!r} is not supported; supported: "
                              f"{', '.join(ACTIVATIONS)}")
@@ -120,7 +134,7 @@ class MLP(nn.Module):
         self.packed_halves = None  # gate and up in oneDNN's layout, once pack_weights() ran
 
     def pack_weights(self, batch_hint: int) -> None:
-        if self.packed_halves is not None:
+        if self.packed_halves is not None or self.gate_up_proj.quant is not None:
             return
         weight = self.gate_up_proj.weight
         half = weight.shape[0] // 2
@@ -133,6 +147,12 @@ class MLP(nn.Module):
         # on strided halves of one product cost more than the products themselves on CPU
         if self.packed_halves is not None:
             gate, up = (cpu_linear.linear(x, w) for w in self.packed_halves)
+        elif self.gate_up_proj.quant is not None:
+            proj = self.gate_up_proj
+            half = proj.weight.shape[0] // 2
+            gate, up = (fp8.linear(x, proj.weight[rows], proj.weight_scale[rows], proj.group_size,
+                                   None, proj.input_scale, proj.quant.activation_scale_ub)
+                        for rows in (slice(0, half), slice(half, None)))
         else:
             weight = self.gate_up_proj.weight
             half = weight.shape[0] // 2
@@ -141,10 +161,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: LayerConfig, backend):
+    def __init__(self, config: ModelConfig, layer: LayerConfig, backend, prefix: str):
         super().__init__()
-        self.self_attn = Attention(config, layer, backend)
-        self.mlp = moe_block(config) if layer.moe else MLP(config)
+        self.self_attn = Attention(config, layer, backend, f"{prefix}.self_attn")
+        self.mlp = moe_block(config, f"{prefix}.mlp") if layer.moe else MLP(config, f"{prefix}.mlp")
         norm = norm_class(config)
         self.input_layernorm = norm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = norm(config.hidden_size, config.rms_norm_eps)
@@ -167,8 +187,8 @@ class SandwichDecoderLayer(DecoderLayer):
     """Gemma 3's layer: the attention and MLP outputs are normed again before each
     residual add, and the MLP input has a norm of its own."""
 
-    def __init__(self, config: ModelConfig, layer: LayerConfig, backend):
-        super().__init__(config, layer, backend)
+    def __init__(self, config: ModelConfig, layer: LayerConfig, backend, prefix: str):
+        super().__init__(config, layer, backend, prefix)
         norm = norm_class(config)
         self.pre_feedforward_layernorm = norm(config.hidden_size, config.rms_norm_eps)
         self.post_feedforward_layernorm = norm(config.hidden_size, config.rms_norm_eps)
@@ -188,7 +208,8 @@ class DecoderModel(nn.Module):
         # Gemma scales the embeddings by sqrt(hidden_size), rounded to the model's dtype
         self.embed_scale = config.embed_scale
         layer_class = SandwichDecoderLayer if config.sandwich_norms else DecoderLayer
-        self.layers = nn.ModuleList(layer_class(config, layer, backend) for layer in config.layers)
+        self.layers = nn.ModuleList(layer_class(config, layer, backend, f"model.layers.{i}")
+                                    for i, layer in enumerate(config.layers))
         self.norm = norm_class(config)(config.hidden_size, config.rms_norm_eps)
         # one table for all layers, or one per layer type where each has its own settings
         self.rotary = nn.ModuleDict({
@@ -253,28 +274,45 @@ class CausalLM(nn.Module):
                 block = self.get_submodule(expert.group(1))
                 if not isinstance(block, SparseMoE):
                     raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-                block.load_expert(int(expert.group(2)), expert.group(3), tensor.to(block.w13.dtype))
+                kind = expert.group(4).removesuffix("_inv")
+                try:
+                    block.load_expert(int(expert.group(2)), expert.group(3), tensor, kind)
+                except ValueError as e:
+                    raise ValueError(f"checkpoint tensor {name!r} {e}") from None
                 experts[expert.group(1)] = block
-                loaded.update((f"{expert.group(1)}.w13", f"{expert.group(1)}.w2"))
+                loaded.update(f"{expert.group(1)}.{p}" for p, _ in block.named_parameters()
+                              if not p.startswith("gate."))
                 continue
             shard_id = None  # a part of a fused parameter, or (None) a whole parameter
             parts = name.split(".")
+            if parts[-1] == "weight_scale_inv":  # block scales of fp8 checkpoints (multipliers)
+                parts[-1] = "weight_scale"
             if len(parts) >= 2 and parts[-2] in fused:
                 parts[-2], shard_id = fused[parts[-2]]
-                name = ".".join(parts)
+            name = ".".join(parts)
+            owner_name = name.rsplit(".", 1)[0]
+            quant = getattr(params.get(owner_name + ".weight"), "keep_dtype", False)
+            if quant and parts[-1] in ("input_scale", "input_scale_ub") and name not in params:
+                continue  # dynamic activations here: the static scale (bound) is not used
             if name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
             param = params[name]
-            owner = self.get_submodule(name.rsplit(".", 1)[0])
-            if shard_id is None and isinstance(owner, ColumnParallelLinear) \
-                    and len(owner.output_sizes) > 1:
-                # stored fused (Phi-3's qkv_proj and gate_up_proj): each part is split apart
-                owner.load_fused(param, tensor.to(param.dtype))
-            elif hasattr(owner, "load_shard"):
-                owner.load_shard(param, tensor.to(param.dtype), shard_id or 0)
-            else:
-                param.data.copy_(tensor)
+            owner = self.get_submodule(owner_name)
+            value = tensor if quant else tensor.to(param.dtype)  # FP8 layers take it as stored
+            try:
+                if shard_id is None and isinstance(owner, ColumnParallelLinear) \
+                        and len(owner.output_sizes) > 1:
+                    # stored fused (Phi-3's qkv_proj and gate_up_proj): each part split apart
+                    owner.load_fused(param, value)
+                elif hasattr(owner, "load_shard"):
+                    owner.load_shard(param, value, shard_id or 0)
+                else:
+                    param.data.copy_(tensor)
+            except ValueError as e:
+                raise ValueError(f"checkpoint tensor {name!r} {e}") from None
             loaded.add(name)
+            if quant and owner.quant.online and parts[-1] == "weight":
+                loaded.add(owner_name + ".weight_scale")  # made from the weight
         expected = {n for n in params if not (self.tie_word_embeddings and n == "lm_head.weight")}
         missing = sorted(expected - loaded)
         missing += [f"{name}: {what}" for name, block in experts.items()
@@ -286,3 +324,10 @@ class CausalLM(nn.Module):
 
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# the checkpoint modules our fused layers hold, where the checkpoint stores them apart
+_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _stored_parts(config: ModelConfig, fused: str) -> tuple[str, ...]:
+    """The checkpoint's modules for a fused layer (Phi-3 stores them fused)."""
+    return (fused,) if config.architecture == "Phi3ForCausalLM" else _PARTS[fused]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from batchinfer.model import cpu_linear, fp8
 from batchinfer.model.config import ModelConfig
 from batchinfer.model.llama import CausalLM, GemmaRMSNorm
 
@@ -115,9 +116,12 @@ def iter_weights(path: Path, allow_pickle: bool) -> Iterator[tuple[str, torch.Te
 
 def build_model(config: ModelConfig, backend, dtype: torch.dtype,
                 device: torch.device) -> CausalLM:
+    """The model with empty parameters in dtype, FP8 layers' weights and scales kept in
+    theirs (parameters marked keep_dtype)."""
     with torch.device(device):
         model = CausalLM(config, backend, dtype)
-    return model.to(dtype=dtype)
+    return model._apply(lambda t: t if getattr(t, "keep_dtype", False) or not t.is_floating_point()
+                        else t.to(dtype))
 
 
 def load_model(path: Path, config: ModelConfig, backend, dtype: torch.dtype,
@@ -131,11 +135,20 @@ def load_model(path: Path, config: ModelConfig, backend, dtype: torch.dtype,
     return model.eval()
 
 
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's weights on this rank: its parameters (a tied table once) and
+    the CPU linears' packed copies, which replace theirs."""
+    params = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    return sum(params.values()) + cpu_linear.packed_bytes(model)
+
+
 def _init_random(model: CausalLM, seed: int) -> None:
     """Random weights for benchmarks on shapes with no checkpoint, drawn on the model's
     device (on one CPU thread, an 8B model's draws alone take about 45 s)."""
     gens: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
+        if name.endswith(("_scale", "input_scale")):
+            continue  # set with their FP8 weight
         if name.endswith("norm.weight"):  # unit scale (Gemma's norms store an offset from 1)
             norm = model.get_submodule(name.rsplit(".", 1)[0])
             param.data.fill_(0.0 if isinstance(norm, GemmaRMSNorm) else 1.0)
@@ -146,4 +159,14 @@ def _init_random(model: CausalLM, seed: int) -> None:
             if gen is None:
                 gen = gens[param.device] = torch.Generator(param.device).manual_seed(seed)
             values = torch.empty(param.shape, dtype=torch.float32, device=param.device)
-            param.data.copy_(values.normal_(0.0, 0.02, generator=gen))
+            values.normal_(0.0, 0.02, generator=gen)
+            if param.dtype == fp8.FP8:  # its scales too: weight_scale, or w13_scale ...
+                owner_name, attr = name.rsplit(".", 1)
+                owner = model.get_submodule(owner_name)
+                rows, scale = fp8.quantize_rows(values.reshape(-1, values.shape[-1]))
+                values = rows.reshape(values.shape)
+                scales = getattr(owner, f"{attr}_scale")
+                scales.data.copy_(scale.reshape(*scales.shape[:-1], 1).expand_as(scales))
+                if getattr(owner, "input_scale", None) is not None:
+                    owner.input_scale.data.fill_(0.02 * 4 / fp8.FP8_MAX)
+            param.data.copy_(values)

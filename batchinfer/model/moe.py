@@ -25,12 +25,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchinfer.model import cpu_linear
+from batchinfer.model import cpu_linear, fp8
 from batchinfer.model.config import ModelConfig
-from batchinfer.model.parallel import TensorParallel, _check_divisible, _shard
+from batchinfer.model.parallel import TensorParallel, _check_divisible, _fp8_parameter, _shard
+from batchinfer.model.quantization import LinearQuant
 
-# a checkpoint's per-expert tensor: (block).experts.(e).(projection).weight
-EXPERT_TENSOR = re.compile(r"(.+)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+# a checkpoint's per-expert tensor: (block).experts.(e).(projection).(weight or an FP8 scale)
+EXPERT_TENSOR = re.compile(r"(.+)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\."
+                           r"(weight|weight_scale|weight_scale_inv|input_scale)")
 
 
 class Router(nn.Module):
@@ -41,7 +43,7 @@ class Router(nn.Module):
 
 class SparseMoE(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 normalize: bool, weights_in_model_dtype: bool):
+                 normalize: bool, weights_in_model_dtype: bool, quant: LinearQuant | None = None):
         super().__init__()
         _check_divisible(intermediate_size, "expert intermediate size")
         self.num_experts, self.top_k, self.normalize = num_experts, top_k, normalize
@@ -50,20 +52,43 @@ class SparseMoE(nn.Module):
         self.intermediate = intermediate_size // TensorParallel.size
         self.gate = Router(num_experts, hidden_size)
         # per expert: [gate; up] rows, and down
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate, hidden_size),
-                                requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate),
-                               requires_grad=False)
+        self.quant = quant
+        if quant is None:
+            self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate, hidden_size),
+                                    requires_grad=False)
+            self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate),
+                                   requires_grad=False)
+        else:
+            self._init_fp8(quant, hidden_size, intermediate_size)
         self.loaded: set[tuple[int, str]] = set()
         # the grouped Triton products: on CUDA (None: decided by the device)
         self.use_fused: bool | None = None
         # per expert, (w13, w2) in oneDNN's layout, once pack_weights() ran (CPU)
         self.packed_experts: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
 
+    def _init_fp8(self, quant: LinearQuant, hidden_size: int, intermediate_size: int) -> None:
+        """FP8 experts (batchinfer.model.fp8's layout, one more leading dimension): w13 and
+        w2 in float8_e4m3fn with float32 w13_scale [E, 2n, groups] and w2_scale [E, hidden,
+        groups]; block scales of w2 are cut with its columns under tensor parallelism."""
+        n, e = self.intermediate, self.num_experts
+        width = quant.block[1] if quant.block else None
+        if width and TensorParallel.size > 1 and n % width:
+            raise ValueError(f"tensor_parallel_size {TensorParallel.size} cuts the experts' "
+                             f"{intermediate_size} input features into {n}, not a multiple of "
+                             f"the checkpoint's {width}-wide scale blocks; use a "
+                             "tensor_parallel_size that does")
+        self.group13, self.group2 = width or hidden_size, width or n
+        self.full_groups2 = fp8.num_groups(intermediate_size, width) if width else 1
+        self.w13 = _fp8_parameter(torch.empty(e, 2 * n, hidden_size, dtype=fp8.FP8))
+        self.w13_scale = _fp8_parameter(
+            torch.ones(e, 2 * n, fp8.num_groups(hidden_size, self.group13)))
+        self.w2 = _fp8_parameter(torch.empty(e, hidden_size, n, dtype=fp8.FP8))
+        self.w2_scale = _fp8_parameter(torch.ones(e, hidden_size, fp8.num_groups(n, self.group2)))
+
     def pack_weights(self, batch_hint: int) -> None:
         """Each expert's weights packed for products of about the rows it gets when
         batch_hint tokens spread over the experts; only the packed copies are kept."""
-        if self.packed_experts is not None:
+        if self.packed_experts is not None or self.quant is not None:
             return
         rows = max(1, batch_hint * self.top_k // self.num_experts)
         self.packed_experts = tuple((cpu_linear.pack(self.w13[e], rows),
@@ -75,29 +100,64 @@ class SparseMoE(nn.Module):
         """Bytes of all experts' weights (as held: packed or not)."""
         if self.packed_experts is not None:
             return sum(t.numel() * t.element_size() for pair in self.packed_experts for t in pair)
-        return sum(p.numel() * p.element_size() for p in (self.w13, self.w2))
+        scales = (self.w13_scale, self.w2_scale) if self.quant is not None else ()
+        return sum(p.numel() * p.element_size() for p in (self.w13, self.w2, *scales))
 
     def _product(self, e: int, which: int, x: torch.Tensor) -> torch.Tensor:
         """x times expert e's w13 (which 0) or w2 (which 1), transposed."""
         if self.packed_experts is not None:
             return cpu_linear.linear(x, self.packed_experts[e][which])
+        if self.quant is not None:
+            weight, scale = (self.w13, self.w13_scale) if which == 0 else (self.w2, self.w2_scale)
+            return fp8.linear(x, weight[e], scale[e], (self.group13, self.group2)[which])
         return F.linear(x, (self.w13, self.w2)[which][e])
 
-    def load_expert(self, expert: int, projection: str, loaded: torch.Tensor) -> None:
-        """One expert's gate_proj, up_proj or down_proj, as the checkpoint holds it."""
+    def load_expert(self, expert: int, projection: str, loaded: torch.Tensor,
+                    kind: str = "weight") -> None:
+        """One expert's gate_proj, up_proj or down_proj (kind "weight"), or an FP8 one's
+        scale ("weight_scale"; "input_scale" is not used: activations are dynamic here), as
+        the checkpoint holds it."""
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"checkpoint has expert {expert}; the config has {self.num_experts}")
+        if kind == "input_scale":
+            return
         n = self.intermediate
-        if projection == "down_proj":
-            self.w2.data[expert].copy_(_shard(loaded, 1))
-        else:
-            rows = slice(0, n) if projection == "gate_proj" else slice(n, 2 * n)
-            self.w13.data[expert, rows].copy_(_shard(loaded, 0))
+        down = projection == "down_proj"
+        rows = slice(None) if down else slice(0, n) if projection == "gate_proj" else slice(n, 2 * n)
+        weight, scale = (self.w2, getattr(self, "w2_scale", None)) if down \
+            else (self.w13, getattr(self, "w13_scale", None))
+        if kind == "weight_scale":
+            if self.quant is None:
+                raise ValueError(f"expert {expert} {projection} has a scale, but the model is "
+                                 "not FP8")
+            full = fp8.rows_from_checkpoint(loaded, loaded_rows(weight, rows, down),
+                                            self.quant.block,
+                                            self.full_groups2 if down else scale.shape[2])
+            if down:
+                groups = scale.shape[2]
+                if groups != self.full_groups2:
+                    full = full[:, TensorParallel.rank * groups:(TensorParallel.rank + 1) * groups]
+                scale.data[expert].copy_(full)
+            else:
+                scale.data[expert, rows].copy_(_shard(full, 0))
+            self.loaded.add((expert, projection + " scale"))
+            return
+        part = _shard(loaded, 1 if down else 0)
+        if self.quant is not None and part.dtype != fp8.FP8:
+            if not self.quant.online:
+                raise ValueError(f"is {part.dtype}, expected float8_e4m3fn (the checkpoint's "
+                                 "quantization_config says the experts are FP8)")
+            part, row_scales = fp8.quantize_rows(part)
+            scale.data[expert, rows].copy_(row_scales.expand_as(scale.data[expert, rows]))
+            self.loaded.add((expert, projection + " scale"))
+        weight.data[expert, rows].copy_(part.to(weight.dtype))
         self.loaded.add((expert, projection))
 
     def missing_experts(self) -> list[str]:
-        return [f"expert {e} {p}" for e in range(self.num_experts)
-                for p in ("gate_proj", "up_proj", "down_proj") if (e, p) not in self.loaded]
+        kinds = ("", " scale") if self.quant is not None else ("",)
+        return [f"expert {e} {p}{k}" for e in range(self.num_experts)
+                for p in ("gate_proj", "up_proj", "down_proj") for k in kinds
+                if (e, p + k) not in self.loaded]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x, self.gate.weight)
@@ -107,7 +167,7 @@ class SparseMoE(nn.Module):
             weights /= weights.sum(dim=-1, keepdim=True)
         if self.weights_in_model_dtype:
             weights = weights.to(x.dtype)
-        if self.fused(x):
+        if self.quant is None and self.fused(x):
             from batchinfer.kernels.triton.fused_moe import fused_moe
             out = fused_moe(x, self.w13, self.w2, experts, weights, self.weights_in_model_dtype)
             return TensorParallel.all_reduce(out)
@@ -129,6 +189,8 @@ class SparseMoE(nn.Module):
         return TensorParallel.all_reduce(out)
 
     def fused(self, x: torch.Tensor) -> bool:
+        if self.quant is not None:  # FP8 experts run one product each (fp8.linear)
+            return False
         if self.use_fused is not None:
             if self.use_fused and self.packed_experts is not None:
                 raise RuntimeError(
@@ -143,16 +205,29 @@ def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def moe_block(config: ModelConfig) -> SparseMoE:
-    """A layer's MoE block, as config.moe describes it."""
+def moe_block(config: ModelConfig, prefix: str) -> SparseMoE:
+    """A layer's MoE block, as config.moe describes it; its experts FP8 where the model's
+    quantization covers them (named as expert 0's projections are)."""
     moe = config.moe
+    quant = None
+    if config.quantization is not None:
+        quant = config.quantization.linear_quant(
+            [f"{prefix}.experts.0.{p}" for p in ("gate_proj", "up_proj", "down_proj")])
     return SparseMoE(config.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k,
-                     moe.normalize, moe.weights_in_model_dtype)
+                     moe.normalize, moe.weights_in_model_dtype, quant)
+
+
+def loaded_rows(weight: torch.Tensor, rows: slice, down: bool) -> int:
+    """Rows of one expert's checkpoint tensor for this part: down_proj's whole hidden size,
+    gate_proj's or up_proj's intermediate size before tensor parallelism cut it."""
+    if down:
+        return weight.shape[1]
+    return (rows.stop - rows.start) * TensorParallel.size
 
 
 # Mixtral's checkpoint names for the block and its projections
-MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.weight", ".gate_proj.weight"),
-                 (".w3.weight", ".up_proj.weight"), (".w2.weight", ".down_proj.weight"))
+MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."),
+                 (".w3.", ".up_proj."), (".w2.", ".down_proj."))
 
 
 def mixtral_name(name: str) -> str:

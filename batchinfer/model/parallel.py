@@ -8,7 +8,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from batchinfer.model import cpu_linear
+from batchinfer.model import cpu_linear, fp8
+from batchinfer.model.quantization import LinearQuant
 
 
 class TensorParallel:
@@ -53,40 +54,129 @@ def _check_divisible(n: int, what: str) -> None:
         raise ValueError(f"{what} ({n}) is not divisible by tensor_parallel_size ({TensorParallel.size})")
 
 
-class ColumnParallelLinear(nn.Module):
-    """y = x W^T + b with W's output rows split across ranks. `output_sizes` lists the
-    logical sub-matrices fused into this one (e.g. gate and up), each split separately."""
+def _parameter(tensor: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(tensor, requires_grad=False)
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+
+def _fp8_parameter(tensor: torch.Tensor) -> nn.Parameter:
+    """A parameter that keeps its dtype (FP8 weights, float32 scales) when the model is
+    cast to its dtype (batchinfer.model.loader.build_model)."""
+    param = _parameter(tensor)
+    param.keep_dtype = True
+    return param
+
+
+class _Fp8Weights:
+    """FP8 weight, scales and products for the parallel linears (batchinfer.model.fp8):
+    `weight` [out, in] in float8_e4m3fn, `weight_scale` [out, groups] in float32, and a
+    static `input_scale` where the checkpoint has one (GPU FP8 products use it)."""
+
+    quant: LinearQuant | None = None
+
+    def _init_fp8(self, quant: LinearQuant, rows: int, cols: int, full_cols: int) -> None:
+        self.quant = quant
+        self.group_size = quant.block[1] if quant.block else cols
+        if quant.block and cols != full_cols and cols % quant.block[1]:
+            raise ValueError(f"tensor_parallel_size {TensorParallel.size} cuts {full_cols} "
+                             f"input features into {cols}, not a multiple of the checkpoint's "
+                             f"{quant.block[1]}-wide scale blocks; use a tensor_parallel_size "
+                             "that does")
+        self.full_groups = fp8.num_groups(full_cols, quant.block[1]) if quant.block else 1
+        self.weight = _fp8_parameter(torch.empty(rows, cols, dtype=fp8.FP8))
+        self.weight_scale = _fp8_parameter(
+            torch.ones(rows, fp8.num_groups(cols, self.group_size), dtype=torch.float32))
+        self.input_scale = (_fp8_parameter(torch.zeros((), dtype=torch.float32))
+                            if quant.static_activations else None)
+
+    def _fp8_rows(self, loaded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(FP8 rows, their [rows, 1] scales when quantized here) of a checkpoint weight."""
+        if loaded.dtype == fp8.FP8:
+            return loaded, None
+        if self.quant.online:
+            return fp8.quantize_rows(loaded)
+        raise ValueError(f"is {loaded.dtype}, expected float8_e4m3fn (the checkpoint's "
+                         "quantization_config says this layer is FP8)")
+
+    def _scale_rows(self, loaded: torch.Tensor, rows: int) -> torch.Tensor:
+        """A checkpoint scale for a weight of `rows` full (unsharded) rows, one row of
+        full_groups scales per weight row."""
+        return fp8.rows_from_checkpoint(loaded, rows, self.quant.block, self.full_groups)
+
+    def _load_input_scale(self, loaded: torch.Tensor) -> None:
+        if loaded.numel() != 1:
+            raise ValueError(f"has shape {list(loaded.shape)}, expected a single scale")
+        # fused parts each have one: the largest covers them all
+        self.input_scale.data = torch.maximum(self.input_scale.data,
+                                              loaded.reshape(()).to(torch.float32))
+
+    def _fp8_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return fp8.linear(x, self.weight, self.weight_scale, self.group_size, bias,
+                          self.input_scale, self.quant.activation_scale_ub)
+
+
+class ColumnParallelLinear(_Fp8Weights, nn.Module):
+    """y = x W^T + b with W's output rows split across ranks. `output_sizes` lists the
+    logical sub-matrices fused into this one (e.g. gate and up), each split separately.
+    With `quant`, W is FP8 (_Fp8Weights)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 quant: LinearQuant | None = None):
         super().__init__()
         for n in output_sizes:
             _check_divisible(n, "output size")
         self.output_sizes = [n // TensorParallel.size for n in output_sizes]
         out = sum(self.output_sizes)
-        self.weight = nn.Parameter(torch.empty(out, input_size), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
+        if quant is None:
+            self.weight = _parameter(torch.empty(out, input_size))
+        else:
+            self._init_fp8(quant, out, input_size, input_size)
+        self.bias = _parameter(torch.empty(out)) if bias else None
         self.packed = None  # the weight in oneDNN's layout, once pack_weights() ran
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
         offset = sum(self.output_sizes[:shard_id])
         size = self.output_sizes[shard_id]
-        param.data[offset:offset + size].copy_(_shard(loaded, 0))
+        if self.quant is None or param is self.bias:
+            param.data[offset:offset + size].copy_(_shard(loaded, 0))
+        elif param is self.weight:
+            rows, scale = self._fp8_rows(_shard(loaded, 0))
+            param.data[offset:offset + size].copy_(rows)
+            if scale is not None:
+                self.weight_scale.data[offset:offset + size] = scale
+        elif param is self.weight_scale:
+            rows = self._scale_rows(loaded, size * TensorParallel.size)
+            param.data[offset:offset + size].copy_(_shard(rows, 0))
+        else:
+            self._load_input_scale(loaded)
 
     def load_fused(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         """Load a checkpoint tensor that holds every part at once, one after another."""
         full = [n * TensorParallel.size for n in self.output_sizes]
+        if self.quant is not None and param is self.input_scale:
+            return self._load_input_scale(loaded)
+        if self.quant is not None and param is self.weight_scale:
+            # a scale of the fused weight: to rows first (a block may span two parts)
+            scale_rows = self._scale_rows(loaded, sum(full))
+            for shard_id, part in enumerate(scale_rows.split(full, dim=0)):
+                offset, size = sum(self.output_sizes[:shard_id]), self.output_sizes[shard_id]
+                param.data[offset:offset + size].copy_(_shard(part, 0))
+            return
         if loaded.shape[0] != sum(full):
-            raise ValueError(f"fused checkpoint tensor has {loaded.shape[0]} rows, expected "
+            raise ValueError(f"has {loaded.shape[0]} rows, expected "
                              f"{sum(full)} ({' + '.join(map(str, full))})")
         for shard_id, part in enumerate(loaded.split(full, dim=0)):
             self.load_shard(param, part, shard_id)
 
     def pack_weights(self, batch_hint: int) -> None:
+        if self.quant is not None:  # FP8 weights run in their own products
+            return
         if self.packed is None and self.weight is not None:  # (None: the MLP packed it)
             self.packed = cpu_linear.pack(self.weight, batch_hint)
             self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self._fp8_product(x, self.bias)
         return cpu_linear.apply(x, self.weight, self.packed, self.bias)
 
 
@@ -94,36 +184,60 @@ class QKVParallelLinear(ColumnParallelLinear):
     """Fused q, k, v projections; each rank holds its query heads and their KV heads."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False):
+                 bias: bool = False, quant: LinearQuant | None = None):
         _check_divisible(num_heads, "num_attention_heads")
         _check_divisible(num_kv_heads, "num_key_value_heads")
         super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim,
-                                       num_kv_heads * head_dim], bias)
+                                       num_kv_heads * head_dim], bias, quant)
 
     SHARDS = {"q": 0, "k": 1, "v": 2}
 
 
-class RowParallelLinear(nn.Module):
-    """y = x W^T + b with W's input columns split across ranks, summed by all-reduce."""
+class RowParallelLinear(_Fp8Weights, nn.Module):
+    """y = x W^T + b with W's input columns split across ranks, summed by all-reduce.
+    With `quant`, W is FP8 (_Fp8Weights); block scales are cut with their columns."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 quant: LinearQuant | None = None):
         super().__init__()
         _check_divisible(input_size, "input size")
-        self.weight = nn.Parameter(torch.empty(output_size, input_size // TensorParallel.size),
-                                   requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
+        cols = input_size // TensorParallel.size
+        if quant is None:
+            self.weight = _parameter(torch.empty(output_size, cols))
+        else:
+            self._init_fp8(quant, output_size, cols, input_size)
+        self.bias = _parameter(torch.empty(output_size)) if bias else None
         self.packed = None
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
-        param.data.copy_(_shard(loaded, 1) if param is self.weight else loaded)
+        if param is self.bias:
+            param.data.copy_(loaded)
+        elif param is self.weight:
+            rows, scale = (_shard(loaded, 1), None) if self.quant is None \
+                else self._fp8_rows(_shard(loaded, 1))
+            param.data.copy_(rows)
+            if scale is not None:
+                self.weight_scale.data.copy_(scale)
+        elif param is self.weight_scale:
+            rows = self._scale_rows(loaded, param.shape[0])
+            groups = param.shape[1]
+            if groups != self.full_groups:  # block scales: this rank's whole groups
+                rows = rows[:, TensorParallel.rank * groups:(TensorParallel.rank + 1) * groups]
+            param.data.copy_(rows)
+        else:
+            self._load_input_scale(loaded)
 
     def pack_weights(self, batch_hint: int) -> None:
-        if self.packed is None:
+        if self.packed is None and self.quant is None:
             self.packed = cpu_linear.pack(self.weight, batch_hint)
             self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = TensorParallel.all_reduce(cpu_linear.apply(x, self.weight, self.packed))
+        if self.quant is not None:
+            y = self._fp8_product(x, None)
+        else:
+            y = cpu_linear.apply(x, self.weight, self.packed)
+        y = TensorParallel.all_reduce(y)
         return y + self.bias if self.bias is not None else y
 
 
@@ -136,7 +250,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.shard_size = -(-vocab_size // TensorParallel.size)
         self.start = TensorParallel.rank * self.shard_size
-        self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size), requires_grad=False)
+        self.weight = _parameter(torch.empty(self.shard_size, hidden_size))
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
         rows = loaded[self.start:self.start + self.shard_size]
