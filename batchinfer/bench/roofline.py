@@ -146,5 +146,6 @@ def weight_bytes_read_per_step(model: torch.nn.Module, shape: ModelShape,
     if not tied_embeddings or head_packed:
         # this rank's table: a tensor-parallel rank holds a slice of the vocabulary
         table = getattr(getattr(getattr(model, "model", None), "embed_tokens", None), "weight", None)
-        total -= (table.numel() if table is not None else shape.vocab_size * shape.hidden_size) * elem
+        total -= (table.numel() * table.element_size() if table is not None
+                  else shape.vocab_size * shape.hidden_size * elem)
     return WeightBytes(total, experts, max(num_experts, 1), top_k)

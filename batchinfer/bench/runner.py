@@ -106,6 +106,7 @@ def _run_ours(source: ModelSource, opts: dict, enable_prefix_caching: bool,
             weight_bytes=weight_bytes_read_per_step(model, shape, tied).across(ranks),
             dtype=param.dtype, peak=device_peak(param.device, param.dtype, ranks))
         summary["prefix_caching"] = enable_prefix_caching
+        summary["weight_bytes"] = engine.stats()["weight_bytes"]  # one rank's
     finally:
         engine.shutdown()
         runner = model = param = None  # nothing may hold the engine's memory past here

@@ -75,6 +75,7 @@ class JobOptions:
     attention_backend: str | None = None
     enforce_eager: bool | None = None
     load_format: str | None = None
+    quantization: str | None = None
     device: str | None = None
     tokenizer: str | None = None
     trust_remote_code: bool | None = None
@@ -267,6 +268,7 @@ class JobOptions:
             "tokenizer": local_path(self.tokenizer),
             "dtype": self.dtype or "auto",  # the numerics of every row
             "load_format": self.load_format or "auto",  # dummy: random weights
+            "quantization": self.quantization,  # fp8: weights rounded at load
             "split": self.split,
             "prompt_column": self.prompt_column,
             "messages_column": self.messages_column,

@@ -85,6 +85,15 @@ def test_prefix_repetition_hits_cache_only_with_caching_on(cache_dir):
     assert no_cache["prefix_cache_hit_rate"] == 0 and no_cache["prefix_caching"] is False
 
 
+def test_fp8_weights_are_recorded_with_their_bytes(cache_dir):
+    args = ("--num-prompts", "2", "--input-len", "8", "--output-len", "2")
+    _, full = run_bench(cache_dir, *args)
+    _, fp8 = run_bench(cache_dir, *args, "--quantization", "fp8")
+    assert full["engine"]["quantization"] is None and fp8["engine"]["quantization"] == "fp8"
+    assert 0 < fp8["weight_bytes"] < full["weight_bytes"]
+    assert fp8["num_kv_blocks"] == full["num_kv_blocks"] == 96
+
+
 def test_scoring_runs_read_the_prompt_logprobs_cached_blocks_keep(cache_dir, monkeypatch):
     """--prompt-logprobs / --logprobs reach every request; with a budget that admits the
     prompts over several steps, later prompts of a prefix read its blocks (but the last)."""

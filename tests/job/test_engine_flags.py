@@ -28,3 +28,30 @@ def test_engine_flags_reach_the_engine(tmp_path, run_cli, monkeypatch, flags, ex
     with pytest.raises(Loaded):  # the job stops where the engine would load
         run_cli(path, "-o", tmp_path / "out", *flags)
     assert {k: seen[k] for k in ("enforce_eager", "attention_backend") if k in seen} == expected
+
+
+def test_quantization_flag(tmp_path, run_cli, llama_dir):
+    """--quantization fp8 runs the job on FP8 weights and is part of its identity; a flag
+    the checkpoint cannot take exits 2 with one line, before any row runs."""
+    import fp8_checkpoints
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"row {i}"}) + "\n" for i in range(4)))
+    out = tmp_path / "out"
+    assert run_cli(path, "-o", out, "--quantization", "fp8", "--limit", "2").exit_code == 0
+    again = run_cli(path, "-o", out)
+    assert again.exit_code == 2 and "quantization differ" in again.output, again.output
+    assert run_cli(path, "-o", out, "-q", "fp8").exit_code == 0
+
+    fp8_model = fp8_checkpoints.write_fp8(llama_dir, tmp_path / "fp8", "fp8-block")
+    bad = run_cli(path, "-o", tmp_path / "out2", "--model", fp8_model, "--quantization", "fp8")
+    assert bad.exit_code == 2, bad.output
+    assert "already quantized (quant_method 'fp8'); drop --quantization" in bad.output
+    assert len(bad.output.strip().splitlines()) == 1, bad.output
+    assert not (tmp_path / "out2").exists() or not list((tmp_path / "out2").glob("*.parquet"))
+
+    config = json.loads((fp8_model / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (fp8_model / "config.json").write_text(json.dumps(config))
+    awq = run_cli(path, "-o", tmp_path / "out3", "--model", fp8_model)
+    assert awq.exit_code == 2 and "quant_method 'awq'" in awq.output, awq.output
+    assert run_cli(path, "-o", tmp_path / "out4", "-q", "int4").exit_code == 2
