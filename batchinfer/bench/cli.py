@@ -59,6 +59,7 @@ class _BenchGroup(click.Group):
 ENGINE_DEFAULTS = {"dtype": "auto", "block_size": 16, "max_num_seqs": 256,
                    "max_num_batched_tokens": 8192, "enable_prefix_caching": True,
                    "gpu_memory_utilization": 0.9, "tensor_parallel_size": 1,
+                   "pipeline_parallel_size": 1,
                    "attention_backend": "auto", "enforce_eager": False, "load_format": "auto",
                    "quantization": None,
                    "trust_remote_code": False, "allow_pickle_weights": False}

@@ -98,9 +98,10 @@ def _run_ours(source: ModelSource, opts: dict, enable_prefix_caching: bool,
         warm_up(engine, shape.vocab_size, opts["seed"])
         run = run_workload(engine, requests, _sampling(opts))
         num_blocks = engine.stats().get("num_total_blocks")
-        # bandwidth and MFU of the whole tensor-parallel group: the shape's KV bytes and
-        # FLOPs are the whole model's, this rank's weights one slice of them
-        ranks = engine.config.tensor_parallel_size
+        # bandwidth and MFU of the whole group: the shape's KV bytes and FLOPs are the
+        # whole model's, this rank's weights about one slice of them (pipeline stages
+        # hold about equal shares of the layers)
+        ranks = engine.config.tensor_parallel_size * engine.config.pipeline_parallel_size
         summary = report.engine_summary(
             run, block_size=opts["block_size"], num_kv_blocks=num_blocks, shape=shape,
             weight_bytes=weight_bytes_read_per_step(model, shape, tied).across(ranks),
@@ -247,9 +248,9 @@ def _repeat_runs(first: dict, source: ModelSource, opts: dict, requests: list[Be
 
 def run_overhead(opts: dict) -> dict:
     """--model-stub: per-step engine time at each --num-seqs."""
-    if opts["tensor_parallel_size"] > 1:
+    if opts["tensor_parallel_size"] > 1 or opts["pipeline_parallel_size"] > 1:
         raise ValueError("--model-stub measures the engine in one process; "
-                         "drop --tensor-parallel-size")
+                         "drop --tensor-parallel-size / --pipeline-parallel-size")
     if opts["baseline"] != "none" or opts["compare_prefix_caching"] or opts["num_runs"] > 1:
         raise ValueError("--model-stub measures the engine's own overhead, with no model to "
                          "compare; drop --baseline / --compare-prefix-caching / --num-runs")

@@ -20,7 +20,7 @@ from batchinfer.engine.tensor_parallel import (RunnerArgs, TensorParallelGroup, 
                                                 check_divisible)
 from batchinfer.model.config import ModelConfig
 from batchinfer.model.loader import resolve_model_path, resolve_tokenizer_path
-from batchinfer.model.parallel import TensorParallel
+from batchinfer.model.parallel import PipelineParallel, TensorParallel, stage_layers
 from batchinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from batchinfer.sampling_params import SamplingParams
 from batchinfer.structured.regex_guide import RegexGuide, VocabBytes, token_bytes
@@ -59,12 +59,14 @@ class LLMEngine:
             max_len = short
         torch.manual_seed(config.seed)
         self.tensor_parallel: TensorParallelGroup | None = None
-        if TensorParallel.size > 1:  # the parallel layers' state is the process's
+        if TensorParallel.size > 1 or PipelineParallel.size > 1:  # the process's state
             raise RuntimeError("a tensor-parallel engine is running in this process; call "
                                "shutdown() on it before starting another engine")
-        if config.tensor_parallel_size > 1:
+        world = config.tensor_parallel_size * config.pipeline_parallel_size
+        if world > 1:
             check_divisible(self.model_config, config.tensor_parallel_size)
-            self.tensor_parallel = TensorParallelGroup(config.tensor_parallel_size, RunnerArgs(
+            stage_layers(self.model_config.num_hidden_layers, config.pipeline_parallel_size, 0)
+            self.tensor_parallel = TensorParallelGroup(world, RunnerArgs(
                 config, self.model_config, path, self.device, self.dtype, max_len,
                 self.eos_token_ids))
             # an engine dropped without shutdown() still stops its workers

@@ -19,7 +19,8 @@ from batchinfer.engine.scheduler import SchedulerOutput
 from batchinfer.model import cpu_linear
 from batchinfer.model.config import ModelConfig
 from batchinfer.model.loader import load_model, weight_bytes
-from batchinfer.model.parallel import TensorParallel
+from batchinfer.engine import pipeline
+from batchinfer.model.parallel import PipelineParallel, TensorParallel
 from batchinfer.sampling_params import SamplingParams
 from batchinfer.structured.choice import ChoiceTrie
 from batchinfer.structured.regex_guide import RegexMatcher
@@ -95,8 +96,9 @@ class ModelRunner:
             # decode steps multiply about max_num_seqs rows
             cpu_linear.pack_model(self.model, dtype, batch_hint=config.max_num_seqs)
         self.weight_bytes = weight_bytes(self.model)
-        attn = self.model.model.layers[0].self_attn
-        self.num_layers = len(self.model.model.layers)
+        layers = self.model.model.stage_layers  # all of them but under pipeline parallelism
+        attn = layers[0].self_attn
+        self.num_layers = len(layers)
         self.kv_shape = (self.block_size, attn.num_kv_heads, attn.head_dim)
         # every rank must hold the same blocks: the smallest pool any rank can afford
         self.num_blocks = TensorParallel.min_across_ranks(self._num_kv_blocks(max_model_len))
@@ -119,7 +121,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.num_graph_steps = 0
         if (device.type == "cuda" and not config.enforce_eager and self.backend.name == "triton"
-                and TensorParallel.size == 1 and self.model.graph_safe):
+                and TensorParallel.size == 1 and PipelineParallel.size == 1
+                and self.model.graph_safe):
             self.graphs = self.build_decode_graphs()
 
     def build_decode_graphs(self, capture: bool = True) -> DecodeGraphs:
@@ -168,8 +171,14 @@ class ModelRunner:
         meta = self._metadata(starts, num_new, qsl, slot_positions,
                               np.arange(probe_blocks, dtype=np.int32)[None, :], 0)
         with torch.inference_mode():
-            hidden = self.model(ids, positions, meta, caches)
-            self.model.compute_logits(hidden[-min(n, self.config.max_num_seqs):])
+            intermediate = None
+            if not PipelineParallel.is_first():
+                hidden_size = self.model.config.hidden_size
+                intermediate = (torch.zeros(n, hidden_size, dtype=self.dtype, device=self.device),
+                                torch.zeros(n, hidden_size, dtype=self.dtype, device=self.device))
+            hidden = self.model(ids, positions, meta, caches, intermediate)
+            if PipelineParallel.is_last():
+                self.model.compute_logits(hidden[-min(n, self.config.max_num_seqs):])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         del caches, hidden
@@ -293,12 +302,54 @@ class ModelRunner:
             hidden = graphs.run(input_ids, positions, self._slots(block_tables, num_new, positions),
                                 starts + 1, block_tables)
             self.num_graph_steps += 1
+        elif PipelineParallel.size > 1:
+            hidden = self._stage_forward(input_ids, starts, num_new, qsl, positions,
+                                         block_tables, len(decodes))
+            if hidden is None:  # not the last stage: it samples, and says what
+                out = pipeline.share_output(None)
+                for req_id, token in zip(out.req_ids, out.token_ids):
+                    self.requests[req_id].token_ids.append(token)
+                return out
         else:
             meta = self._metadata(starts, num_new, qsl, positions, block_tables, len(decodes))
             ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
             pos_t = torch.from_numpy(positions).to(self.device)
             hidden = self.model(ids_t, pos_t, meta, self.kv_caches)
+        out = self._sample(hidden, states, order, starts, num_new, qsl)
+        if PipelineParallel.size > 1:
+            pipeline.share_output(out)
+        return out
 
+    def _stage_forward(self, input_ids: list[int], starts: np.ndarray, num_new: np.ndarray,
+                       qsl: np.ndarray, positions: np.ndarray, block_tables: np.ndarray,
+                       num_decodes: int) -> torch.Tensor | None:
+        """This pipeline stage's part of the step, micro-batch by micro-batch (pipeline.py):
+        the final hidden states on the last stage, None on the others (theirs were sent
+        on)."""
+        finals, pending = [], []
+        for a, b in pipeline.micro_batches(num_new, PipelineParallel.size):
+            t0, t1 = int(qsl[a]), int(qsl[b])
+            seq_lens = starts[a:b] + num_new[a:b]
+            tables = block_tables[a:b, :-(-int(seq_lens.max()) // self.block_size)]
+            meta = self._metadata(starts[a:b], num_new[a:b], qsl[a:b + 1] - qsl[a],
+                                  positions[t0:t1], tables, max(0, min(b, num_decodes) - a))
+            ids_t = torch.tensor(input_ids[t0:t1], dtype=torch.long, device=self.device)
+            pos_t = torch.from_numpy(positions[t0:t1]).to(self.device)
+            intermediate = None
+            if not PipelineParallel.is_first():
+                intermediate = pipeline.receive(t1 - t0, self.model.config.hidden_size,
+                                                self.dtype, self.device)
+            result = self.model(ids_t, pos_t, meta, self.kv_caches, intermediate)
+            if PipelineParallel.is_last():
+                finals.append(result)
+            else:
+                pending += pipeline.send(*result)
+        pipeline.wait(pending)
+        return torch.cat(finals) if finals else None
+
+    def _sample(self, hidden: torch.Tensor, states: list[RunnerRequest], order: list[str],
+                starts: np.ndarray, num_new: np.ndarray, qsl: np.ndarray) -> RunnerOutput:
+        """The step's sampled tokens (and prompt logprobs) from its final hidden states."""
         prompt_logprobs = None
         if self.scoring:  # a one-token prompt chunk is among the decodes: all are looked at
             prompt_logprobs = self._prompt_logprobs(hidden, states, order, starts, num_new,

@@ -1,8 +1,10 @@
-"""Tensor parallelism across processes: rank 0 is the engine's own process, ranks 1..N-1
-are worker processes started here. Every rank builds the same model runner over its shard
-of the weights and KV heads (batchinfer.model.parallel cuts them); rank 0 schedules and
-sends each step's plan to the workers, and all ranks execute it together, meeting in the
-all-reduces of the forward pass.
+"""Tensor and pipeline parallelism across processes: rank 0 is the engine's own process,
+ranks 1..N-1 are worker processes started here, N = tensor_parallel_size x
+pipeline_parallel_size. Rank r is tensor-parallel rank r % T of pipeline stage r // T.
+Every rank builds a model runner over its stage's layers and its shard of their weights
+and KV heads (batchinfer.model.parallel cuts them); rank 0 schedules and sends each step's
+plan to the workers, and all ranks execute it together, meeting in the all-reduces of the
+forward pass and, between stages, in the sends of batchinfer.engine.pipeline.
 
 Plans travel over a pipe to each worker rather than a collective: a worker waits for its
 next plan as long as rank 0 is idle (a collective would time out), and a pipe closes when
@@ -34,7 +36,7 @@ import torch.distributed as dist
 
 from batchinfer.config import EngineConfig
 from batchinfer.model.config import ModelConfig
-from batchinfer.model.parallel import TensorParallel
+from batchinfer.model.parallel import PipelineParallel, TensorParallel
 
 STARTUP_TIMEOUT_S = 600.0       # for every worker to start and import torch
 JOIN_TIMEOUT_S = 30.0           # for a worker to exit after shutdown
@@ -79,8 +81,9 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return device
 
 
-def _join(rank: int, size: int, init_file: str, device: torch.device) -> None:
-    """Join the group and point the parallel layers at it."""
+def _join(rank: int, size: int, init_file: str, device: torch.device, tp_size: int) -> None:
+    """Join the group (size ranks: pipeline stages of tp_size ranks each) and point the
+    parallel layers at it."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     previous = os.environ.get("GLOO_SOCKET_IFNAME")
     if sys.platform == "linux" and previous is None:
@@ -91,11 +94,15 @@ def _join(rank: int, size: int, init_file: str, device: torch.device) -> None:
                                 world_size=size, timeout=timedelta(minutes=30))
         # host-side agreements (KV block counts) go over gloo whatever the device backend
         cpu_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
+        # every rank makes every stage's group, in the same order
+        stages = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size)))
+                  for s in range(size // tp_size)] if tp_size < size else [dist.group.WORLD]
     finally:
         if previous is None:
             os.environ.pop("GLOO_SOCKET_IFNAME", None)
-    TensorParallel.rank, TensorParallel.size = rank, size
-    TensorParallel.group, TensorParallel.cpu_group = dist.group.WORLD, cpu_group
+    TensorParallel.rank, TensorParallel.size = rank % tp_size, tp_size
+    TensorParallel.group, TensorParallel.cpu_group = stages[rank // tp_size], cpu_group
+    PipelineParallel.rank, PipelineParallel.size = rank // tp_size, size // tp_size
 
 
 def _leave() -> None:
@@ -103,6 +110,7 @@ def _leave() -> None:
         dist.destroy_process_group()
     TensorParallel.rank, TensorParallel.size = 0, 1
     TensorParallel.group = TensorParallel.cpu_group = None
+    PipelineParallel.rank, PipelineParallel.size = 0, 1
 
 
 def _die_with_parent() -> None:
@@ -132,7 +140,7 @@ def _worker_main(rank: int, size: int, init_file: str, args: RunnerArgs, threads
         if device.type == "cuda":
             torch.cuda.set_device(device)
         reports.put(("joining", rank, ""))
-        _join(rank, size, init_file, args.device)
+        _join(rank, size, init_file, args.device, args.config.tensor_parallel_size)
         runner = ModelRunner(args.config, args.model_config, args.model_path, device, args.dtype,
                              args.max_model_len, args.eos_token_ids)
         reports.put(("built", rank, ""))
@@ -193,12 +201,14 @@ class TensorParallelGroup:
             self._wait_for("joining")
             if device.type == "cuda":  # NCCL binds each rank to its current device
                 torch.cuda.set_device(rank_device(device, 0))
-            self._join_watching_workers(size, init_file, device)
+            self._join_watching_workers(size, init_file, device,
+                                        args.config.tensor_parallel_size)
         except BaseException:
             self.shutdown()
             raise
 
-    def _join_watching_workers(self, size: int, init_file: str, device: torch.device) -> None:
+    def _join_watching_workers(self, size: int, init_file: str, device: torch.device,
+                               tp_size: int) -> None:
         """Join the group as rank 0 while watching the workers. The join blocks until every
         rank has joined, so a worker that dies inside its own join would otherwise leave
         rank 0 waiting out the rendezvous timeout (30 minutes of a GPU node) before failing."""
@@ -209,7 +219,7 @@ class TensorParallelGroup:
             try:
                 if device.type == "cuda":  # the current device is per thread
                     torch.cuda.set_device(rank_device(device, 0))
-                _join(0, size, init_file, device)
+                _join(0, size, init_file, device, tp_size)
             except BaseException as e:
                 failure.append(e)
 

@@ -60,7 +60,7 @@ def check(options: JobOptions) -> None:
 def child_environments(options: JobOptions) -> list[dict[str, str]]:
     """The environment of each process: its GPUs, or on CPU its share of the cores."""
     size = options.data_parallel_size
-    tp = options.tensor_parallel_size or 1
+    tp = (options.tensor_parallel_size or 1) * (options.pipeline_parallel_size or 1)
     device = options.device
     if device is not None and device.startswith("cuda:"):
         raise JobError(f"--device {device} names one GPU; with --data-parallel-size give "
@@ -73,8 +73,9 @@ def child_environments(options: JobOptions) -> list[dict[str, str]]:
             gpus = ([g.strip() for g in visible.split(",") if g.strip()] if visible
                     else [str(i) for i in range(torch.cuda.device_count())])
             if size * tp > len(gpus):
-                raise JobError(f"--data-parallel-size {size} x --tensor-parallel-size {tp} "
-                               f"needs {size * tp} GPUs; {len(gpus)} are visible")
+                raise JobError(f"--data-parallel-size {size} x --tensor-parallel-size x "
+                               f"--pipeline-parallel-size ({tp}) needs {size * tp} GPUs; "
+                               f"{len(gpus)} are visible")
             return [{**base, "CUDA_VISIBLE_DEVICES": ",".join(gpus[j * tp:(j + 1) * tp])}
                     for j in range(size)]
         if device == "cuda":

@@ -75,6 +75,7 @@ class JobOptions:
     attention_backend: str | None = None
     enforce_eager: bool | None = None
     load_format: str | None = None
+    pipeline_parallel_size: int | None = None
     quantization: str | None = None
     device: str | None = None
     tokenizer: str | None = None

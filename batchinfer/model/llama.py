@@ -19,8 +19,9 @@ from batchinfer.model import cpu_linear, fp8, ops
 from batchinfer.model.config import LayerConfig, ModelConfig
 from batchinfer.model.quantization import LinearQuant
 from batchinfer.model.moe import EXPERT_TENSOR, SparseMoE, mixtral_name, moe_block
-from batchinfer.model.parallel import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
-                                       RowParallelLinear, TensorParallel, VocabParallelEmbedding)
+from batchinfer.model.parallel import (ColumnParallelLinear, ParallelLMHead, PipelineParallel,
+                                       QKVParallelLinear, RowParallelLinear, TensorParallel,
+                                       VocabParallelEmbedding, stage_layers)
 from batchinfer.model.rope import RotaryEmbedding, partial_rotary_order, rotary_dim
 
 
@@ -201,20 +202,37 @@ class SandwichDecoderLayer(DecoderLayer):
         return self.post_feedforward_layernorm(hidden), residual
 
 
+class OtherStage(nn.Module):
+    """The place of a decoder layer that another pipeline stage holds."""
+
+
 class DecoderModel(nn.Module):
+    """The decoder layers of this pipeline stage (stage_layers; all of them without
+    pipeline parallelism), the embedding on the first stage and the final norm on the
+    last. The others' layers are OtherStage placeholders, so names keep their indices."""
+
     def __init__(self, config: ModelConfig, backend, dtype: torch.dtype):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.stage = stage_layers(config.num_hidden_layers, PipelineParallel.size,
+                                  PipelineParallel.rank)
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+                             if PipelineParallel.is_first() else None)
         # Gemma scales the embeddings by sqrt(hidden_size), rounded to the model's dtype
         self.embed_scale = config.embed_scale
         layer_class = SandwichDecoderLayer if config.sandwich_norms else DecoderLayer
-        self.layers = nn.ModuleList(layer_class(config, layer, backend, f"model.layers.{i}")
-                                    for i, layer in enumerate(config.layers))
-        self.norm = norm_class(config)(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            layer_class(config, layer, backend, f"model.layers.{i}") if i in self.stage
+            else OtherStage() for i, layer in enumerate(config.layers))
+        self.norm = (norm_class(config)(config.hidden_size, config.rms_norm_eps)
+                     if PipelineParallel.is_last() else None)
         # one table for all layers, or one per layer type where each has its own settings
         self.rotary = nn.ModuleDict({
             key: RotaryEmbedding(config.head_dim, config.max_position_embeddings, params, dtype)
             for key, params in config.rope.items()})
+
+    @property
+    def stage_layers(self) -> list[DecoderLayer]:
+        return [self.layers[i] for i in self.stage]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
@@ -225,15 +243,19 @@ class DecoderModel(nn.Module):
 
 class CausalLM(nn.Module):
     """forward() returns final hidden states; compute_logits() applies the LM head to the
-    rows that sample (float32 logits, or the model's dtype with float32=False)."""
+    rows that sample (float32 logits, or the model's dtype with float32=False). Under
+    pipeline parallelism a stage runs its own layers: forward() takes the previous stage's
+    (hidden, residual) and, but on the last stage, returns its own pair."""
 
     def __init__(self, config: ModelConfig, backend, dtype: torch.dtype):
         super().__init__()
         self.config = config
         self.model = DecoderModel(config, backend, dtype)
         self.tie_word_embeddings = config.tie_word_embeddings
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if self.tie_word_embeddings:
+        self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size)
+                        if PipelineParallel.is_last() else None)
+        if self.tie_word_embeddings and self.lm_head is not None \
+                and self.model.embed_tokens is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
             self.lm_head.tied = True
 
@@ -241,15 +263,24 @@ class CausalLM(nn.Module):
     def graph_safe(self) -> bool:
         """Whether a forward pass can be captured in a CUDA graph: not where MoE blocks
         loop over their experts, reading the counts on the host."""
-        return all(layer.mlp.fused(self.model.norm.weight) for layer in self.model.layers
+        probe = next(self.parameters())
+        return all(layer.mlp.fused(probe) for layer in self.model.stage_layers
                    if isinstance(layer.mlp, SparseMoE))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        hidden, residual = self.model.embed(input_ids), None
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """kv_caches: this stage's layers' caches, in order. intermediate: the previous
+        stage's (hidden, residual), on every stage but the first."""
+        if intermediate is None:
+            hidden, residual = self.model.embed(input_ids), None
+        else:
+            hidden, residual = intermediate
         ropes = {key: table.lookup(positions) for key, table in self.model.rotary.items()}
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        for layer, kv_cache in zip(self.model.stage_layers, kv_caches):
             hidden, residual = layer(ropes[layer.rope_key], hidden, residual, meta, kv_cache)
+        if self.model.norm is None:
+            return hidden, residual
         return self.model.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
@@ -267,6 +298,9 @@ class CausalLM(nn.Module):
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            name = self._stage_name(name)
+            if name is None:  # another pipeline stage's
                 continue
             name = mixtral_name(name)
             expert = EXPERT_TENSOR.fullmatch(name)
@@ -313,14 +347,33 @@ class CausalLM(nn.Module):
             loaded.add(name)
             if quant and owner.quant.online and parts[-1] == "weight":
                 loaded.add(owner_name + ".weight_scale")  # made from the weight
-        expected = {n for n in params if not (self.tie_word_embeddings and n == "lm_head.weight")}
+        tied = self.lm_head is not None and self.lm_head.tied
+        expected = {n for n in params if not (tied and n == "lm_head.weight")}
         missing = sorted(expected - loaded)
         missing += [f"{name}: {what}" for name, block in experts.items()
                     for what in block.missing_experts()]
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
-        for layer in self.model.layers:
+        for layer in self.model.stage_layers:
             layer.self_attn.reorder_rotary_dims()
+
+    def _stage_name(self, name: str) -> str | None:
+        """A checkpoint tensor's name here, or None where another pipeline stage holds it:
+        another stage's layers, the embedding off the first stage (the last stage's LM
+        head reads a tied table), the final norm and LM head off the last."""
+        if name.startswith("model.layers."):
+            index = int(name.split(".", 3)[2])
+            return name if index in self.model.stage else None
+        if name.startswith("model.embed_tokens."):
+            if self.model.embed_tokens is not None:
+                return name
+            tied_head = self.tie_word_embeddings and self.lm_head is not None
+            return name.replace("model.embed_tokens.", "lm_head.") if tied_head else None
+        if name.startswith("model.norm."):
+            return name if self.model.norm is not None else None
+        if name.startswith("lm_head."):
+            return name if self.lm_head is not None else None
+        return name
 
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")

@@ -1,6 +1,8 @@
-"""Tensor-parallel layers. With tensor_parallel_size 1 they are plain linears; the weight
-loaders already cut each checkpoint tensor into this rank's shard, so sharding across ranks
-only needs a process group and the all-reduce in RowParallelLinear / the embedding."""
+"""Tensor-parallel layers, and this process's place in the tensor- and pipeline-parallel
+groups. With tensor_parallel_size 1 the layers are plain linears; the weight loaders
+already cut each checkpoint tensor into this rank's shard, so sharding across ranks only
+needs a process group and the all-reduce in RowParallelLinear / the embedding. Pipeline
+stages hold a contiguous range of the decoder layers (stage_layers)."""
 from __future__ import annotations
 
 import torch
@@ -13,17 +15,18 @@ from batchinfer.model.quantization import LinearQuant
 
 
 class TensorParallel:
-    """This process's place in the tensor-parallel group."""
+    """This process's place in its tensor-parallel group (the ranks of its pipeline stage)."""
 
     rank: int = 0
     size: int = 1
     group = None       # the device collectives' group
-    cpu_group = None   # gloo, for host-side agreements
+    cpu_group = None   # gloo over every rank of every stage, for host-side agreements
 
     @classmethod
     def min_across_ranks(cls, n: int) -> int:
-        """The smallest of every rank's n (rank-local sizing made to agree)."""
-        if cls.size == 1:
+        """The smallest of every rank's n, over all stages (rank-local sizing made to
+        agree)."""
+        if cls.cpu_group is None:
             return n
         t = torch.tensor([n], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=cls.cpu_group)
@@ -42,6 +45,40 @@ class TensorParallel:
         parts = [torch.empty_like(x) for _ in range(cls.size)]
         dist.all_gather(parts, x.contiguous(), group=cls.group)
         return torch.cat(parts, dim=-1)
+
+
+class PipelineParallel:
+    """This process's pipeline stage. Global rank = stage * tensor_parallel_size + tensor-
+    parallel rank; a stage sends its hidden states to the same tensor-parallel rank of the
+    next stage (point to point over the world group)."""
+
+    rank: int = 0
+    size: int = 1
+
+    @classmethod
+    def is_first(cls) -> bool:
+        return cls.rank == 0
+
+    @classmethod
+    def is_last(cls) -> bool:
+        return cls.rank == cls.size - 1
+
+    @classmethod
+    def peer(cls, stage: int) -> int:
+        """The global rank of this tensor-parallel rank's counterpart in `stage`."""
+        return stage * TensorParallel.size + TensorParallel.rank
+
+
+def stage_layers(num_layers: int, stages: int, stage: int) -> range:
+    """The decoder layers a pipeline stage holds: an even split, the later stages taking
+    one more where it does not divide (the first stage also embeds, the last also holds
+    the LM head and samples)."""
+    if stages > num_layers:
+        raise ValueError(f"pipeline_parallel_size {stages} exceeds the model's "
+                         f"{num_layers} layers")
+    base, extra = divmod(num_layers, stages)
+    start = stage * base + max(0, stage - (stages - extra))
+    return range(start, start + base + (stage >= stages - extra))
 
 
 def _shard(tensor: torch.Tensor, dim: int) -> torch.Tensor:
