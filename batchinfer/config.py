@@ -26,6 +26,11 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1  # decoder layers split into this many stages
+    # one engine over several nodes (batchinfer.engine.nodes): node 0 runs it, the others serve
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"   # node 0's address, where the nodes meet
+    master_port: int = 29501
     attention_backend: str = "auto"
     enforce_eager: bool = False  # CUDA: run decode steps eagerly, without CUDA graphs
     device: str | None = None
@@ -43,6 +48,11 @@ class EngineConfig:
                      "pipeline_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in 0..nnodes-1 (nnodes {self.nnodes}), got "
+                             f"{self.node_rank}")
+        if not 1 <= self.master_port <= 65535:
+            raise ValueError(f"master_port must be in 1..65535, got {self.master_port}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

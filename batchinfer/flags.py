@@ -141,7 +141,17 @@ SAMPLING_FLAGS = (
     Flag("skip_special_tokens", ("--skip-special-tokens/--no-skip-special-tokens",)),
 )
 
-_BY_NAME = {f.name: f for f in (*ENGINE_FLAGS, *SAMPLING_FLAGS)}
+# one engine over several nodes: `run` only (slurm/batchinfer.sbatch fills them in)
+NODE_FLAGS = (
+    Flag("nnodes", ("--nnodes",), click.IntRange(min=1),
+         "Nodes one engine spans (each runs this command; node 0 runs the job)."),
+    Flag("node_rank", ("--node-rank",), click.IntRange(min=0), "This node's place, 0..N-1."),
+    Flag("master_addr", ("--master-addr",), str, "Node 0's address, where the nodes meet."),
+    Flag("master_port", ("--master-port",), click.IntRange(1, 65535),
+         "The port on node 0 where the nodes meet."),
+)
+
+_BY_NAME = {f.name: f for f in (*ENGINE_FLAGS, *SAMPLING_FLAGS, *NODE_FLAGS)}
 
 
 def options(names: list[str] | tuple[str, ...],
@@ -172,7 +182,7 @@ def engine_kwargs(values: dict[str, Any]) -> dict[str, Any]:
 
 def engine_flags_in(message: str) -> str:
     """An engine error message with EngineConfig field names replaced by their flags."""
-    for f in ENGINE_FLAGS:
+    for f in (*ENGINE_FLAGS, *NODE_FLAGS):
         message = re.sub(rf"(?<![\w-]){f.field or f.name}\b", _long_flag(f), message)
     return message
 
@@ -183,3 +193,4 @@ def _long_flag(f: Flag) -> str:
 
 ENGINE_NAMES = tuple(f.name for f in ENGINE_FLAGS)
 SAMPLING_NAMES = tuple(f.name for f in SAMPLING_FLAGS)
+NODE_NAMES = tuple(f.name for f in NODE_FLAGS)

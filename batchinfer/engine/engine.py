@@ -12,6 +12,7 @@ from batchinfer.config import DTYPES, EngineConfig, check_device
 from batchinfer.engine.chat import check_unicode, encode_prompts, render_chat_text
 from batchinfer.engine.detokenizer import IncrementalDetokenizer
 from batchinfer.engine.kv_cache_manager import KVCacheManager
+from batchinfer.engine.nodes import NodeGroup
 from batchinfer.engine.model_runner import ModelRunner, RunnerOutput
 from batchinfer.engine.output_processor import OutputProcessor
 from batchinfer.engine.request import Request, RequestStatus
@@ -63,12 +64,15 @@ class LLMEngine:
             raise RuntimeError("a tensor-parallel engine is running in this process; call "
                                "shutdown() on it before starting another engine")
         world = config.tensor_parallel_size * config.pipeline_parallel_size
-        if world > 1:
+        nodes = NodeGroup.of(config)
+        if world > 1 or nodes is not None:
             check_divisible(self.model_config, config.tensor_parallel_size)
             stage_layers(self.model_config.num_hidden_layers, config.pipeline_parallel_size, 0)
+            if nodes is not None:
+                nodes.ranks_per_node(world)
             self.tensor_parallel = TensorParallelGroup(world, RunnerArgs(
                 config, self.model_config, path, self.device, self.dtype, max_len,
-                self.eos_token_ids))
+                self.eos_token_ids), nodes)
             # an engine dropped without shutdown() still stops its workers
             weakref.finalize(self, self.tensor_parallel.shutdown)
         try:
@@ -286,6 +290,14 @@ class LLMEngine:
             for child in self.output_processor.pop(request_id):
                 if not child.status.finished:
                     self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
+
+    def serve(self) -> None:
+        """On a node other than node 0 of a multi-node engine (node_rank > 0): run the steps
+        node 0 plans until it shuts the engine down. ConnectionError when node 0 goes
+        away instead."""
+        if self.tensor_parallel is None or self.tensor_parallel.first_rank == 0:
+            raise RuntimeError("serve() is for the nodes other than node 0 (node_rank > 0)")
+        self.tensor_parallel.serve(self.model_runner)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes (nothing to do without them). The

@@ -36,9 +36,12 @@ import torch.distributed as dist
 
 from batchinfer.config import EngineConfig
 from batchinfer.model.config import ModelConfig
+from batchinfer.engine.nodes import WAIT_FOR_NODE0, NodeGroup
 from batchinfer.model.parallel import PipelineParallel, TensorParallel
 
 STARTUP_TIMEOUT_S = 600.0       # for every worker to start and import torch
+# across nodes, a collective that waits this long has lost a rank: the job fails, not hangs
+NODE_TIMEOUT = timedelta(minutes=10)
 JOIN_TIMEOUT_S = 30.0           # for a worker to exit after shutdown
 
 
@@ -75,34 +78,55 @@ def check_divisible(config: ModelConfig, size: int) -> None:
                              f"({n}); use a divisor of it")
 
 
-def rank_device(device: torch.device, rank: int) -> torch.device:
+def rank_device(device: torch.device, local_rank: int) -> torch.device:
+    """The device of this node's local_rank-th rank (rank 0 on `device`)."""
     if device.type == "cuda":
-        return torch.device("cuda", (device.index or 0) + rank)
+        return torch.device("cuda", (device.index or 0) + local_rank)
     return device
 
 
-def _join(rank: int, size: int, init_file: str, device: torch.device, tp_size: int) -> None:
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where a group's ranks meet: a file on one node, node 0's store across nodes."""
+    file: str | None = None
+    nodes: NodeGroup | None = None
+
+
+def _join(rank: int, size: int, meet: Rendezvous, device: torch.device, tp_size: int,
+          leader: bool):
     """Join the group (size ranks: pipeline stages of tp_size ranks each) and point the
-    parallel layers at it."""
+    parallel layers at it. Across nodes: the gloo group of the nodes' first ranks, which
+    node 0 sends its plans over (None elsewhere)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     previous = os.environ.get("GLOO_SOCKET_IFNAME")
-    if sys.platform == "linux" and previous is None:
+    if sys.platform == "linux" and previous is None and meet.nodes is None:
         # every rank is on this machine: gloo over loopback, whatever the hostname resolves to
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    leaders = None
     try:
-        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
-                                world_size=size, timeout=timedelta(minutes=30))
+        if meet.nodes is None:
+            dist.init_process_group(backend, init_method=f"file://{meet.file}", rank=rank,
+                                    world_size=size, timeout=timedelta(minutes=30))
+        else:
+            store = meet.nodes.store() if leader else meet.nodes.worker_store()
+            dist.init_process_group(backend, store=dist.PrefixStore("group", store), rank=rank,
+                                    world_size=size, timeout=NODE_TIMEOUT)
         # host-side agreements (KV block counts) go over gloo whatever the device backend
         cpu_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
         # every rank makes every stage's group, in the same order
         stages = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size)))
                   for s in range(size // tp_size)] if tp_size < size else [dist.group.WORLD]
+        if meet.nodes is not None:  # node 0's plans may be a long time coming
+            per_node = meet.nodes.ranks_per_node(size)
+            leaders = dist.new_group(list(range(0, size, per_node)), backend="gloo",
+                                     timeout=WAIT_FOR_NODE0)
     finally:
         if previous is None:
             os.environ.pop("GLOO_SOCKET_IFNAME", None)
     TensorParallel.rank, TensorParallel.size = rank % tp_size, tp_size
     TensorParallel.group, TensorParallel.cpu_group = stages[rank // tp_size], cpu_group
     PipelineParallel.rank, PipelineParallel.size = rank // tp_size, size // tp_size
+    return leaders
 
 
 def _leave() -> None:
@@ -126,8 +150,8 @@ def _die_with_parent() -> None:
         pass
 
 
-def _worker_main(rank: int, size: int, init_file: str, args: RunnerArgs, threads: int,
-                 plans, reports) -> None:
+def _worker_main(rank: int, size: int, meet: Rendezvous, args: RunnerArgs, threads: int,
+                 local_rank: int, plans, reports) -> None:
     # Ctrl-C, SIGTERM from Slurm or `timeout` reach the whole process group: rank 0 finishes
     # its step and shuts the workers down, so they must not die first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -136,11 +160,11 @@ def _worker_main(rank: int, size: int, init_file: str, args: RunnerArgs, threads
     from batchinfer.engine.model_runner import ModelRunner
     try:
         torch.set_num_threads(threads)
-        device = rank_device(args.device, rank)
+        device = rank_device(args.device, local_rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         reports.put(("joining", rank, ""))
-        _join(rank, size, init_file, args.device, args.config.tensor_parallel_size)
+        _join(rank, size, meet, args.device, args.config.tensor_parallel_size, leader=False)
         runner = ModelRunner(args.config, args.model_config, args.model_path, device, args.dtype,
                              args.max_model_len, args.eos_token_ids)
         reports.put(("built", rank, ""))
@@ -160,9 +184,10 @@ def _worker_main(rank: int, size: int, init_file: str, args: RunnerArgs, threads
 
 
 class TensorParallelGroup:
-    """Rank 0's side: starts the workers, joins the group, sends plans, shuts down."""
+    """A node's first rank's side (rank 0's on one node): starts this node's workers, joins
+    the group, sends plans (node 0) or serves node 0's (the other nodes), shuts down."""
 
-    def __init__(self, size: int, args: RunnerArgs):
+    def __init__(self, size: int, args: RunnerArgs, nodes: NodeGroup | None = None):
         if dist.is_initialized():
             raise RuntimeError("a tensor-parallel engine is already running in this process "
                                "(or torch.distributed is in use); call shutdown() on it first")
@@ -171,28 +196,35 @@ class TensorParallelGroup:
                                "its rank 0 was joining the group, and that join has not timed "
                                "out yet; start the engine in a new process")
         device = args.device
-        if device.type == "cuda" and (device.index or 0) + size > torch.cuda.device_count():
-            raise ValueError(f"tensor_parallel_size {size} from {device} needs devices up to "
-                             f"cuda:{(device.index or 0) + size - 1}, but "
+        self.nodes = nodes
+        local = nodes.ranks_per_node(size) if nodes is not None else size
+        self.first_rank = nodes.rank * local if nodes is not None else 0
+        if device.type == "cuda" and (device.index or 0) + local > torch.cuda.device_count():
+            raise ValueError(f"{local} ranks on this node from {device} need devices up to "
+                             f"cuda:{(device.index or 0) + local - 1}, but "
                              f"{torch.cuda.device_count()} are visible")
         self._closed = False
         self._broken: str | None = None
+        self._leaders = None  # across nodes: the gloo group node 0's plans go over
         self._dir = tempfile.mkdtemp(prefix="batchinfer-tp-")
-        init_file = os.path.join(self._dir, "rendezvous")
+        meet = Rendezvous(os.path.join(self._dir, "rendezvous"), nodes)
         ctx = multiprocessing.get_context("spawn")
         self._reports = ctx.Queue()
         self._errors: list[str] = []
         # on CPU the ranks share the cores: each gets its part of torch's threads
         self._threads = torch.get_num_threads()
-        threads = max(1, self._threads // size) if device.type == "cpu" else self._threads
+        threads = max(1, self._threads // local) if device.type == "cpu" else self._threads
         if device.type == "cpu":
             torch.set_num_threads(threads)
         self._pipes, self.workers = [], []
         try:
-            for rank in range(1, size):
+            if nodes is not None and nodes.rank == 0:
+                nodes.announce("engine")
+            for local_rank in range(1, local):
+                rank = self.first_rank + local_rank
                 recv, send = ctx.Pipe(duplex=False)
                 proc = ctx.Process(target=_worker_main, name=f"batchinfer-tp{rank}", daemon=True,
-                                   args=(rank, size, init_file, args, threads, recv,
+                                   args=(rank, size, meet, args, threads, local_rank, recv,
                                          self._reports))
                 self._pipes.append(send)
                 proc.start()
@@ -201,13 +233,25 @@ class TensorParallelGroup:
             self._wait_for("joining")
             if device.type == "cuda":  # NCCL binds each rank to its current device
                 torch.cuda.set_device(rank_device(device, 0))
-            self._join_watching_workers(size, init_file, device,
-                                        args.config.tensor_parallel_size)
+            self._join_watching_workers(size, meet, device, args.config.tensor_parallel_size)
         except BaseException:
             self.shutdown()
             raise
 
-    def _join_watching_workers(self, size: int, init_file: str, device: torch.device,
+    def serve(self, runner) -> None:
+        """A node other than node 0: run the plans node 0 sends until it shuts the group
+        down (ConnectionError when it goes away instead)."""
+        while True:
+            box = [None]
+            try:
+                dist.broadcast_object_list(box, src=0, group=self._leaders)
+            except (dist.DistNetworkError, RuntimeError) as e:
+                raise ConnectionError(f"node 0 went away: {str(e).splitlines()[0]}") from None
+            if box[0] is None:
+                return
+            runner.execute(box[0])
+
+    def _join_watching_workers(self, size: int, meet: Rendezvous, device: torch.device,
                                tp_size: int) -> None:
         """Join the group as rank 0 while watching the workers. The join blocks until every
         rank has joined, so a worker that dies inside its own join would otherwise leave
@@ -219,7 +263,7 @@ class TensorParallelGroup:
             try:
                 if device.type == "cuda":  # the current device is per thread
                     torch.cuda.set_device(rank_device(device, 0))
-                _join(0, size, init_file, device, tp_size)
+                self._leaders = _join(self.first_rank, size, meet, device, tp_size, leader=True)
             except BaseException as e:
                 failure.append(e)
 
@@ -308,12 +352,31 @@ class TensorParallelGroup:
             error = self.worker_error() or str(e)
             self._broken = "a worker is gone"
             raise WorkerError(f"a tensor-parallel worker is gone: {error}") from None
+        if self._sends_to_nodes:
+            self._to_nodes(plan)
+
+    @property
+    def _sends_to_nodes(self) -> bool:
+        return self._leaders is not None and self.first_rank == 0
+
+    def _to_nodes(self, plan) -> None:
+        """Node 0: a plan (None: shut down) to the other nodes' first ranks."""
+        try:
+            dist.broadcast_object_list([plan], src=0, group=self._leaders)
+        except (dist.DistNetworkError, RuntimeError) as e:
+            self._broken = "a node is gone"
+            raise WorkerError(f"a node of the group is gone: {str(e).splitlines()[0]}") from None
 
     def shutdown(self) -> None:
         """Stop the workers and leave the group; the engine cannot step after this."""
         if self._closed:
             return
         self._closed = True
+        if self._sends_to_nodes and self._broken is None:
+            try:
+                self._to_nodes(None)
+            except WorkerError:
+                pass
         for pipe in self._pipes:
             try:
                 pipe.send_bytes(b"")

@@ -63,6 +63,7 @@ def _options(f):
           help="Every completion is a JSON instance of this schema (@FILE reads a file)."),
         # EngineConfig (batchinfer/flags.py)
         flags.options(flags.ENGINE_NAMES),
+        flags.options(flags.NODE_NAMES),
         # The job
         O("--num-shards", type=click.IntRange(min=1),
           help="Split the input among this many independent runs (e.g. a Slurm array)."),
@@ -151,6 +152,7 @@ def run(ctx: click.Context, input: str | None, config: str | None, **flags: Any)
     datasets.save_to_disk folder, or hf:NAME[:SPLIT] from the local cache. Run the same
     command again to continue a stopped job.
     """
+    from batchinfer.job.nodes import serve_node, serves
     from batchinfer.job.runner import run_job
     try:
         values = _from_job_file(ctx, config) if config else {}
@@ -160,6 +162,8 @@ def run(ctx: click.Context, input: str | None, config: str | None, **flags: Any)
             if value is not None and value != ():
                 values[name] = list(value) if isinstance(value, tuple) else value
         options = JobOptions.from_dict(values)
+        if serves(options):
+            ctx.exit(serve_node(options))
         if options.data_parallel_size > 1:
             from batchinfer.job.data_parallel import run_data_parallel
             ctx.exit(run_data_parallel(options))

@@ -7,7 +7,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from batchinfer.flags import ENGINE_NAMES, SAMPLING_NAMES, engine_flags_in, engine_kwargs
+from batchinfer.flags import (ENGINE_NAMES, NODE_NAMES, SAMPLING_NAMES, engine_flags_in,
+                              engine_kwargs)
 from batchinfer.job.errors import JobError
 from batchinfer.job.manifest import META_DIR, digest_of_text
 from batchinfer.job.shard import Shard
@@ -76,6 +77,10 @@ class JobOptions:
     enforce_eager: bool | None = None
     load_format: str | None = None
     pipeline_parallel_size: int | None = None
+    nnodes: int | None = None
+    node_rank: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
     quantization: str | None = None
     device: str | None = None
     tokenizer: str | None = None
@@ -136,6 +141,10 @@ class JobOptions:
              f"must be in [0, {65536 - self.data_parallel_size}] (process j of "
              f"--data-parallel-size {self.data_parallel_size} serves port P + j)"),
             ("max_n", self.max_n >= 1, "must be >= 1"),
+            ("node_rank", self.node_rank is None or 0 <= self.node_rank < (self.nnodes or 1),
+             f"must be in [0, --nnodes) = [0, {self.nnodes or 1})"),
+            ("data_parallel_size", self.data_parallel_size == 1 or (self.nnodes or 1) == 1,
+             "cannot be combined with --nnodes (one engine spans the nodes)"),
             ("output_format", self.output_format in OUTPUT_FORMATS,
              f"must be one of {', '.join(OUTPUT_FORMATS)}"),
         ]
@@ -195,7 +204,8 @@ class JobOptions:
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of LLMEngine.from_kwargs, without `model`."""
-        return engine_kwargs({name: getattr(self, name) for name in ENGINE_NAMES})
+        return engine_kwargs({name: getattr(self, name) for name in ENGINE_NAMES}) | {
+            name: getattr(self, name) for name in NODE_NAMES if getattr(self, name) is not None}
 
     def engine_config(self) -> "EngineConfig":
         from batchinfer.config import EngineConfig  # imports torch: not needed for --help

@@ -24,6 +24,7 @@ from batchinfer.flags import engine_flags_in
 from batchinfer.job.durable import os_error_message
 from batchinfer.job.errors import JobError, OutputFailed
 from batchinfer.job.manifest import Manifest, OutputDir, fingerprint, now_iso
+from batchinfer.job.nodes import announcing
 from batchinfer.job.metrics import JobMetrics
 from batchinfer.job.openai_output import write_openai_output
 from batchinfer.job.options import JobOptions, flag
@@ -147,6 +148,12 @@ def run_job(options: JobOptions, engine_factory: EngineFactory | None = None,
     """Run (or continue) a job. Raises JobError for mistakes the user must fix."""
     out, err = out or sys.stdout, err or sys.stderr
     options.validate()
+    with announcing(options):  # across nodes: the others wait for node 0's word
+        return _run_job(options, engine_factory, out, err)
+
+
+def _run_job(options: JobOptions, engine_factory: EngineFactory | None, out: TextIO,
+             err: TextIO) -> JobResult:
     if engine_factory is None:
         check_model(options.model, options.tokenizer)
         engine_factory = load_engine
