@@ -60,6 +60,7 @@ ENGINE_DEFAULTS = {"dtype": "auto", "block_size": 16, "max_num_seqs": 256,
                    "max_num_batched_tokens": 8192, "enable_prefix_caching": True,
                    "gpu_memory_utilization": 0.9, "tensor_parallel_size": 1,
                    "attention_backend": "auto", "enforce_eager": False, "load_format": "auto",
+                   "kv_cache_dtype": "auto",
                    "trust_remote_code": False, "allow_pickle_weights": False}
 BENCH_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "logprobs", "prompt_logprobs")
 SAMPLING_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}

@@ -69,6 +69,7 @@ class JobOptions:
     max_model_len: int | None = None
     kv_cache_memory: int | None = None
     num_kv_blocks: int | None = None
+    kv_cache_dtype: str | None = None
     gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool | None = None
     tensor_parallel_size: int | None = None
