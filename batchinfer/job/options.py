@@ -268,6 +268,8 @@ class JobOptions:
             "tokenizer": local_path(self.tokenizer),
             "dtype": self.dtype or "auto",  # the numerics of every row
             "load_format": self.load_format or "auto",  # dummy: random weights
+            # what attention reads: the model's dtype or E4M3 (fp8 and fp8_e4m3 alike)
+            "kv_cache_dtype": "auto" if self.kv_cache_dtype in (None, "auto") else "fp8",
             "split": self.split,
             "prompt_column": self.prompt_column,
             "messages_column": self.messages_column,
