@@ -69,6 +69,9 @@ def _from_fp8_kernel(code_ptr, out_ptr, BLOCK: tl.constexpr):
     tl.store(out_ptr + i, fp8_to_float(tl.load(code_ptr + i)))
 
 
+# the interpreter's numpy warns as float32 inputs near the top of the range overflow on
+# division by a scale below 1 (to inf, which the clamp turns to 448, as torch's does)
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.parametrize("scale", [1.0, 0.5, 3.0, 0.37])
 def test_triton_conversions_are_torchs(device, scale):
     x = conversion_inputs().to(device)
