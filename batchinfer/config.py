@@ -5,7 +5,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from batchinfer.flags import ATTENTION_BACKENDS, LOAD_FORMATS, QUANTIZATION_METHODS
+from batchinfer.flags import (ATTENTION_BACKENDS, KV_CACHE_DTYPES, LOAD_FORMATS,
+                              QUANTIZATION_METHODS)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -23,6 +24,7 @@ class EngineConfig:
     max_model_len: int | None = None
     kv_cache_memory_bytes: int | None = None
     num_kv_blocks: int | None = None
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "fp8" = "fp8_e4m3" (E4M3)
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1  # decoder layers split into this many stages
@@ -59,6 +61,9 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                             f"got {self.kv_cache_dtype!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
@@ -76,6 +81,10 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
+
+    def kv_cache_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """What the KV cache stores: the model's dtype (auto), or E4M3 (fp8, fp8_e4m3)."""
+        return model_dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn
 
 
 def check_device(device: str | torch.device) -> torch.device:

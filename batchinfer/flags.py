@@ -23,6 +23,7 @@ DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATION_METHODS = ("fp8",)  # linears quantized at load (a checkpoint's own: read from it)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # fp8 and fp8_e4m3: torch.float8_e4m3fn
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
                "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
                "tib": 2**40}
@@ -85,6 +86,9 @@ ENGINE_FLAGS = (
          field="kv_cache_memory_bytes"),
     Flag("num_kv_blocks", ("--num-kv-blocks",), click.IntRange(min=1),
          "KV cache size in blocks (overrides sizing)."),
+    Flag("kv_cache_dtype", ("--kv-cache-dtype",), click.Choice(KV_CACHE_DTYPES),
+         "auto (the model's dtype), or fp8 / fp8_e4m3: E4M3 with per-layer scales, "
+         "twice the blocks of bfloat16 in the same memory."),
     Flag("gpu_memory_utilization", ("--gpu-memory-utilization",),
          click.FloatRange(0, 1, min_open=True),
          "CUDA: the fraction of the device's memory the engine may use."),

@@ -75,7 +75,8 @@ def test_choices_are_the_engines():
     for flag in flags.ENGINE_FLAGS:
         if isinstance(flag.type, click.Choice):
             assert tuple(flag.type.choices) in (flags.DTYPE_NAMES, flags.ATTENTION_BACKENDS,
-                                                flags.LOAD_FORMATS, flags.QUANTIZATION_METHODS)
+                                                flags.LOAD_FORMATS, flags.QUANTIZATION_METHODS,
+                                                flags.KV_CACHE_DTYPES)
 
 
 def test_a_flag_already_named_is_not_renamed():

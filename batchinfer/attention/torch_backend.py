@@ -17,6 +17,10 @@ applies: kernels/cpu/shared_prefix.py) — and only each sequence's own tail is 
 two partial results are merged by their log-sum-exp (the C decode kernels take the shared
 result as their starting point and merge as they go). That removes the shared part from
 every per-sequence copy, which on CPU is most of the cost.
+
+An FP8 cache (kernels/fp8.py) is written as E4M3 codes of k / k_scale and v / v_scale; the
+C kernels read it as it is, and what torch reads is gathered as codes (uint8: index ops on
+float8 are not implemented everywhere) and widened times the scale to the query's dtype.
 """
 from __future__ import annotations
 
@@ -25,17 +29,21 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from batchinfer.kernels import cpu
+from batchinfer.kernels import cpu, fp8
 
 from .metadata import AttentionMetadata
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store new K/V ([num_tokens, num_kv_heads, head_dim]) at their cache slots."""
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
+             v_scale: float = 1.0) -> None:
+    """Store new K/V ([num_tokens, num_kv_heads, head_dim]) at their cache slots; in an FP8
+    cache as E4M3 codes of key / k_scale and value / v_scale."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    for x, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+        if fp8.is_fp8(cache):
+            cache, x = cache.view(torch.uint8), fp8.quantize(x, scale).view(torch.uint8)
+        cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, x.to(cache.dtype))
 
 
 def _slots(block_tables: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
@@ -115,10 +123,12 @@ class TorchAttention:
         self._buffers: dict[str, torch.Tensor] = {}
         self._use_cpu_kernel = use_cpu_kernel
 
-    def _uses(self, kernel, query: torch.Tensor, num_kv_heads: int) -> bool:
+    def _uses(self, kernel, query: torch.Tensor, num_kv_heads: int,
+              cache_dtype: torch.dtype) -> bool:
         """Whether a C kernel (cpu.decode, cpu.prefill or cpu.shared_prefix; built on first
-        use) runs: allowed here, and it applies to this device, dtype and head shape."""
-        return self._use_cpu_kernel and kernel.supports(query, num_kv_heads)
+        use) runs: allowed here, and it applies to this device, these dtypes and head
+        shape."""
+        return self._use_cpu_kernel and kernel.supports(query, num_kv_heads, cache_dtype)
 
     def _scratch(self, name: str, rows: int, like: torch.Tensor) -> torch.Tensor:
         """A reused [rows, Hkv, D] buffer for gathered K or V: gathering into memory that
@@ -266,18 +276,31 @@ class TorchAttention:
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                scale: float, sliding_window: int | None = None, k_scale: float = 1.0,
+                v_scale: float = 1.0) -> torch.Tensor:
         """query [T, H, D], key/value [T, Hkv, D] -> [T, H, D]; writes key/value first
-        (None: the caller has written them)."""
+        (None: the caller has written them). k_scale, v_scale: an FP8 cache's scales."""
         if key is not None:
-            write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+            write_kv(key, value, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         num_tokens, num_heads, head_dim = query.shape
         num_kv_heads = k_cache.shape[2]
         group = num_heads // num_kv_heads
-        k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-        decode_kernel = self._uses(cpu.decode, query, num_kv_heads)
-        prefill_kernel = decode_kernel and self._uses(cpu.prefill, query, num_kv_heads)
+        cache_dtype, from_fp8 = k_cache.dtype, fp8.is_fp8(k_cache)
+        if not from_fp8:
+            k_scale = v_scale = 1.0
+        # an FP8 cache is gathered as its codes, then widened
+        raw = torch.uint8 if from_fp8 else cache_dtype
+        k_flat = k_cache.view(raw).view(-1, num_kv_heads, head_dim)
+        v_flat = v_cache.view(raw).view(-1, num_kv_heads, head_dim)
+
+        def widen(k: torch.Tensor, v: torch.Tensor):
+            """Gathered K and V in the query's dtype (read times the scales)."""
+            return (fp8.dequantize(k.view(cache_dtype), k_scale, query.dtype),
+                    fp8.dequantize(v.view(cache_dtype), v_scale, query.dtype))
+
+        decode_kernel = self._uses(cpu.decode, query, num_kv_heads, cache_dtype)
+        prefill_kernel = decode_kernel and self._uses(cpu.prefill, query, num_kv_heads,
+                                                      cache_dtype)
         plan = self._plan(meta, sliding_window, query.dtype, head_dim, decode_kernel,
                           prefill_kernel)
         cascade = plan.shared_slots is not None
@@ -287,9 +310,8 @@ class TorchAttention:
             v = self._scratch("v", slots.numel(), v_flat)
             torch.index_select(k_flat, 0, slots, out=k)
             torch.index_select(v_flat, 0, slots, out=v)
-            k = k.view(*shape, num_kv_heads, head_dim)
-            v = v.view(*shape, num_kv_heads, head_dim)
-            return k.to(query.dtype), v.to(query.dtype)
+            return widen(k.view(*shape, num_kv_heads, head_dim),
+                         v.view(*shape, num_kv_heads, head_dim))
 
         q = query.view(num_tokens, num_kv_heads, group, head_dim)
         out_heads = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype,
@@ -303,11 +325,13 @@ class TorchAttention:
         shared = shared_lse = None
         if cascade:
             # shared part: every query row of the batch in one product against the shared K/V
-            ks = k_flat.index_select(0, plan.shared_slots).to(query.dtype)
-            vs = v_flat.index_select(0, plan.shared_slots).to(query.dtype)
-            if self._uses(cpu.shared_prefix, query, num_kv_heads):
-                shared, shared_lse = cpu.shared_prefix.attention(query, ks, vs, scale)
+            ks = k_flat.index_select(0, plan.shared_slots)
+            vs = v_flat.index_select(0, plan.shared_slots)
+            if self._uses(cpu.shared_prefix, query, num_kv_heads, cache_dtype):
+                shared, shared_lse = cpu.shared_prefix.attention(
+                    query, ks.view(cache_dtype), vs.view(cache_dtype), scale, k_scale, v_scale)
             else:
+                ks, vs = widen(ks, vs)
                 qs = q.permute(1, 0, 2, 3).reshape(1, num_kv_heads, num_tokens * group,
                                                    head_dim)
                 shared, shared_lse = _attention_with_lse(
@@ -325,7 +349,7 @@ class TorchAttention:
             # the kernel starts from the shared part's result, read where it lies, and merges it
             init = (shared[:nd], shared_lse[:nd]) if cascade else None
             cpu.decode.attention(query[:nd], k_cache, v_cache, meta.block_tables, lo, hi, scale,
-                                 out_heads[:nd], None, init)
+                                 out_heads[:nd], None, init, k_scale, v_scale)
             merged = nd
         for a, b, slots, width, mask in plan.decode_groups:
             k, v = gather(slots, (b - a, width))
@@ -336,7 +360,7 @@ class TorchAttention:
         if plan.prefill_chunks is not None:  # follows the decodes: merged == nd here
             cpu.prefill.attention(query, k_cache, v_cache, meta.block_tables,
                                   plan.prefill_chunks, scale, out_heads, None,
-                                  (shared, shared_lse) if cascade else None)
+                                  (shared, shared_lse) if cascade else None, k_scale, v_scale)
         if prefill_kernel:
             merged = num_tokens  # but for any chunks left to flash, merged one by one below
         # prefill chunks: their keys gathered a group at a time, then one call each, all

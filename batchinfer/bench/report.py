@@ -69,7 +69,9 @@ def _prefill_flops_per_s(run: EngineRun, shape: ModelShape) -> float | None:
 
 def engine_summary(run: EngineRun, *, block_size: int, num_kv_blocks: int | None,
                    shape: ModelShape, weight_bytes: WeightBytes, dtype: torch.dtype,
-                   peak: DevicePeak | None) -> dict:
+                   peak: DevicePeak | None, kv_cache_dtype: torch.dtype | None = None) -> dict:
+    """kv_cache_dtype: what the KV cache stores (None: dtype)."""
+    kv_cache_dtype = kv_cache_dtype or dtype
     summary = throughput_fields(len(run.prompt_lens), run.prompt_tokens, run.output_tokens,
                                 run.elapsed_s)
     queried = run.stats_delta.get("prefix_cache_queried_tokens", 0)
@@ -89,12 +91,14 @@ def engine_summary(run: EngineRun, *, block_size: int, num_kv_blocks: int | None
         "num_steps": len(run.steps),
         "peak_kv_blocks_in_use": peak_blocks,
         "num_kv_blocks": num_kv_blocks,
+        "kv_cache_dtype": str(kv_cache_dtype).removeprefix("torch."),
         "peak_kv_slot_utilization": utilization,
         "decode_bandwidth_gb_per_s": None, "decode_bandwidth_fraction_of_peak": None,
         "prefill_tflops_per_s": None, "prefill_mfu": None,
     })
     if peak is not None:
-        bandwidth = _decode_bandwidth(run, shape, weight_bytes, torch.tensor([], dtype=dtype).element_size())
+        bandwidth = _decode_bandwidth(run, shape, weight_bytes,
+                                      torch.tensor([], dtype=kv_cache_dtype).element_size())
         flops = _prefill_flops_per_s(run, shape)
         if bandwidth is not None:
             summary["decode_bandwidth_gb_per_s"] = bandwidth / 1e9

@@ -105,7 +105,8 @@ def _run_ours(source: ModelSource, opts: dict, enable_prefix_caching: bool,
         summary = report.engine_summary(
             run, block_size=opts["block_size"], num_kv_blocks=num_blocks, shape=shape,
             weight_bytes=weight_bytes_read_per_step(model, shape, tied).across(ranks),
-            dtype=param.dtype, peak=device_peak(param.device, param.dtype, ranks))
+            dtype=param.dtype, peak=device_peak(param.device, param.dtype, ranks),
+            kv_cache_dtype=runner.kv_dtype)
         summary["prefix_caching"] = enable_prefix_caching
         summary["weight_bytes"] = engine.stats()["weight_bytes"]  # one rank's
     finally:

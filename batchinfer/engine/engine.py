@@ -356,6 +356,7 @@ class LLMEngine:
             "num_generated_tokens": self.scheduler.num_generated_tokens,
             "num_steps": self.scheduler.num_steps,
             "block_size": self.config.block_size,
+            "kv_cache_dtype": str(self.model_runner.kv_dtype).removeprefix("torch."),
             "max_model_len": self.max_model_len,
             # this rank's weights (with tensor parallelism, each rank holds about 1/N)
             "weight_bytes": self.model_runner.weight_bytes,

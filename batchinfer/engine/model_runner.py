@@ -82,6 +82,7 @@ class ModelRunner:
         self.plan_sink = plan_sink
         self.device = device
         self.dtype = dtype
+        self.kv_dtype = config.kv_cache_torch_dtype(dtype)
         self.block_size = config.block_size
         self.eos_token_ids = eos_token_ids
         if device.type == "cpu":
@@ -91,7 +92,8 @@ class ModelRunner:
             torch.cuda.set_device(device)
         self.backend = get_attention_backend(config.attention_backend, device)
         self.model = load_model(model_path, model_config, self.backend, dtype, device,
-                                config.load_format, config.allow_pickle_weights, config.seed)
+                                config.load_format, config.allow_pickle_weights, config.seed,
+                                fp8_kv_cache=self.kv_dtype == torch.float8_e4m3fn)
         if device.type == "cpu":
             # decode steps multiply about max_num_seqs rows
             cpu_linear.pack_model(self.model, dtype, batch_hint=config.max_num_seqs)
@@ -135,7 +137,9 @@ class ModelRunner:
     # ---- KV cache sizing -------------------------------------------------------------
     @property
     def block_bytes(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        """One block's K and V in every layer: an FP8 cache's are 1 byte an element, half
+        of bfloat16's and a quarter of float32's."""
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * self.num_layers * int(np.prod(self.kv_shape)) * elem
 
     def _num_kv_blocks(self, max_model_len: int) -> int:
@@ -189,8 +193,8 @@ class ModelRunner:
         # Left uninitialised: no backend reads a slot before it is written (padding reads
         # are clamped to written positions or masked loads), and on CPU the pages of a
         # large pool are only backed by memory as blocks come into use (kv_pages).
-        cache = torch.empty((self.num_layers, 2, num_blocks, *self.kv_shape), dtype=self.dtype,
-                            device=self.device)
+        cache = torch.empty((self.num_layers, 2, num_blocks, *self.kv_shape),
+                            dtype=self.kv_dtype, device=self.device)
         return [(cache[i, 0], cache[i, 1]) for i in range(self.num_layers)]
 
     # ---- plan bookkeeping ------------------------------------------------------------

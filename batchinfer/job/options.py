@@ -70,6 +70,7 @@ class JobOptions:
     max_model_len: int | None = None
     kv_cache_memory: int | None = None
     num_kv_blocks: int | None = None
+    kv_cache_dtype: str | None = None
     gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool | None = None
     tensor_parallel_size: int | None = None
@@ -280,6 +281,8 @@ class JobOptions:
             "dtype": self.dtype or "auto",  # the numerics of every row
             "load_format": self.load_format or "auto",  # dummy: random weights
             "quantization": self.quantization,  # fp8: weights rounded at load
+            # what attention reads: the model's dtype or E4M3 (fp8 and fp8_e4m3 alike)
+            "kv_cache_dtype": "auto" if self.kv_cache_dtype in (None, "auto") else "fp8",
             "split": self.split,
             "prompt_column": self.prompt_column,
             "messages_column": self.messages_column,

@@ -87,6 +87,9 @@ class Attention(nn.Module):
         self.backend = backend
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+        # an FP8 KV cache's scales (batchinfer.model.kv_scales; kernels/fp8.py): it stores
+        # k / k_scale and v / v_scale
+        self.k_scale = self.v_scale = 1.0
 
     @torch.no_grad()
     def reorder_rotary_dims(self) -> None:
@@ -114,9 +117,10 @@ class Attention(nn.Module):
             self.q_norm.forward_(qk[:, :self.num_heads])
             self.k_norm.forward_(qk[:, self.num_heads:])
         # k and v come back None where they were written to the cache with the rotation
-        q, k, v = ops.rope_and_cache(qk, v, *rope, self.num_heads, meta.slot_mapping, kv_cache)
+        q, k, v = ops.rope_and_cache(qk, v, *rope, self.num_heads, meta.slot_mapping, kv_cache,
+                                     self.k_scale, self.v_scale)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
-                                   self.sliding_window)
+                                   self.sliding_window, self.k_scale, self.v_scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

@@ -13,6 +13,7 @@ import torch
 
 from batchinfer.model import cpu_linear, fp8
 from batchinfer.model.config import ModelConfig
+from batchinfer.model.kv_scales import take_kv_scales
 from batchinfer.model.llama import CausalLM, GemmaRMSNorm
 
 
@@ -126,12 +127,15 @@ def build_model(config: ModelConfig, backend, dtype: torch.dtype,
 
 def load_model(path: Path, config: ModelConfig, backend, dtype: torch.dtype,
                device: torch.device, load_format: str = "auto", allow_pickle: bool = False,
-               seed: int = 0) -> CausalLM:
+               seed: int = 0, fp8_kv_cache: bool = False) -> CausalLM:
+    """The model with its weights; with fp8_kv_cache, also the checkpoint's KV-cache scales
+    (kv_scales), which are passed over otherwise."""
     model = build_model(config, backend, dtype, device)
     if load_format == "dummy":
         _init_random(model, seed)
     else:
-        model.load_weights(language_model_weights(iter_weights(path, allow_pickle)))
+        weights = language_model_weights(iter_weights(path, allow_pickle))
+        model.load_weights(take_kv_scales(model, weights, fp8_kv_cache))
     return model.eval()
 
 

@@ -68,12 +68,15 @@ def act_mul_(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
 
 def rope_and_cache(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    num_heads: int, slot_mapping: torch.Tensor,
-                   kv_cache: tuple[torch.Tensor, torch.Tensor]
+                   kv_cache: tuple[torch.Tensor, torch.Tensor], k_scale: float = 1.0,
+                   v_scale: float = 1.0
                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(q, k, v) of qk [T, num_heads + Hkv, D] (q's heads first) and v, with q and k
-    rotated. On CPU k and v are written to their cache slots in the same C pass, and come
-    back None (the attention backend writes them otherwise)."""
-    if cpu.rope.supports(qk):
-        return cpu.rope.rotate_and_write(qk, v, cos, sin, slot_mapping, *kv_cache), None, None
+    rotated. On CPU k and v are written to their cache slots in the same C pass (an FP8
+    cache's with its scales), and come back None (the attention backend writes them
+    otherwise)."""
+    if cpu.rope.supports(qk, kv_cache[0].dtype):
+        return cpu.rope.rotate_and_write(qk, v, cos, sin, slot_mapping, *kv_cache, k_scale,
+                                         v_scale), None, None
     qk = apply_rotary(qk, cos, sin)  # q and k in one pass; both are views of its output
     return qk[:, :num_heads], qk[:, num_heads:], v

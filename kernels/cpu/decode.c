@@ -25,6 +25,11 @@
  * with plain loads before walking it: a third faster on SmolLM2's decode steps and on
  * contexts of 1-4k keys, as fast where the step is bound by memory bandwidth.
  *
+ * An FP8 cache holds E4M3 codes (kernels/fp8.py): rows are widened to float32 exactly as they
+ * are read, k_scale is folded into the queries' scale by the caller, and v_scale multiplies
+ * the result (a partial result to start from is divided by it first), so the walk itself is
+ * the same.
+ *
  * Written with GCC/Clang vector extensions rather than intrinsics, so the compiler maps
  * them to whatever the host has (AVX-512, AVX2, NEON). The OpenMP loop runs on the OpenMP
  * runtime torch itself loaded, so its threads are torch's threads.
@@ -90,6 +95,29 @@ INLINE void store_row(void *base, int64_t i, const f32x16 *src, float scale, int
         for (int64_t c = 0; c < nc; c++) store16(base, i + 16 * c, src[c] * scale, bf16);
     }
 }
+
+/* One head row of an FP8 cache (E4M3 codes) as load_row would give it in float32 for queries
+ * of the element type bf16: in the even/odd order of bfloat16 rows with an even nc. */
+INLINE void load_fp8_row(const uint8_t *base, int64_t i, f32x16 *dst, int64_t nc, int bf16) {
+    if (bf16 && nc % 2 == 0) {
+        for (int64_t b = 0; b < nc / 2; b++) {
+            u16x16 w;
+            memcpy(&w, base + i + 32 * b, sizeof w);
+            dst[2 * b] = fp8_to_f32(__builtin_convertvector(w & 0xff, u32x16));
+            dst[2 * b + 1] = fp8_to_f32(__builtin_convertvector(w >> 8, u32x16));
+        }
+    } else {
+        for (int64_t c = 0; c < nc; c++) dst[c] = load_fp8(base + i + 16 * c);
+    }
+}
+/* A K or V row: of the element type, or E4M3 codes (fp8) */
+INLINE void load_kv_row(const void *base, int64_t i, f32x16 *dst, int64_t nc, int bf16,
+                        int fp8) {
+    if (fp8) load_fp8_row((const uint8_t *)base, i, dst, nc, bf16);
+    else load_row(base, i, dst, nc, bf16);
+}
+/* bytes of one cache element */
+INLINE int64_t kv_elt(int bf16, int fp8) { return fp8 ? 1 : bf16 ? 2 : 4; }
 
 /* Where the walk after this one reads: keys [j, end) of a sequence (its block table), the
  * part of each row its heads take (element off, bytes long). Prefetched a few lines at a
@@ -167,7 +195,7 @@ INLINE void pass_chunk(
         const f32x16 *q_mem, f32x16 *a_mem, f32x16 *m_mem, f32x16 *l_mem,
         const void *k_cache, const void *v_cache, int64_t base, int64_t key_stride, int64_t n,
         i32x16 valid, ahead_rows *ahead, int64_t lines, const int64_t nc, const int64_t G,
-        const int bf16) {
+        const int bf16, const int fp8) {
     f32x16 qr[MAX_PASS * MAX_CHUNKS], a[MAX_PASS * MAX_CHUNKS], m[MAX_PASS], l[MAX_PASS];
     for (int64_t i = 0; i < G * nc; i++) { qr[i] = q_mem[i]; a[i] = a_mem[i]; }
     for (int64_t g = 0; g < G; g++) { m[g] = m_mem[g]; l[g] = l_mem[g]; }
@@ -177,7 +205,7 @@ INLINE void pass_chunk(
         if (j < n) {
             for (spread += lines; spread >= n; spread -= n) prefetch_lines(ahead, 1);
             f32x16 kv[MAX_CHUNKS];
-            load_row(k_cache, base + j * key_stride, kv, nc, bf16);
+            load_kv_row(k_cache, base + j * key_stride, kv, nc, bf16, fp8);
             for (int64_t g = 0; g < G; g++) {
                 f32x16 x = qr[g * nc] * kv[0];
                 for (int64_t c = 1; c < nc; c++) x += qr[g * nc + c] * kv[c];
@@ -191,7 +219,7 @@ INLINE void pass_chunk(
         p[g] = softmax_step(part[g], valid, &m[g], &l[g], a + g * nc, nc);
     for (int64_t j = 0; j < n; j++) {
         f32x16 vv[MAX_CHUNKS];
-        load_row(v_cache, base + j * key_stride, vv, nc, bf16);
+        load_kv_row(v_cache, base + j * key_stride, vv, nc, bf16, fp8);
         for (int64_t g = 0; g < G; g++)
             for (int64_t c = 0; c < nc; c++) a[g * nc + c] += p[g][j] * vv[c];
     }
@@ -209,7 +237,7 @@ typedef struct {
     const float *init_lse;
     const int64_t *is;
     int64_t q_token_stride, num_kv_heads, group, block_size;
-    float scale;
+    float scale, v_scale;  /* v_scale: an FP8 cache's (1 otherwise) */
 } decode_args;
 
 /* KV heads [h0, h0 + nh) of sequence t over keys [lo, hi): every query row of those heads,
@@ -220,7 +248,7 @@ typedef struct {
 INLINE void walk_heads(
         const decode_args *d, const int32_t *table, int64_t lo, int64_t hi, int64_t t,
         int64_t h0, int64_t nh, const ahead_seg *next, const int64_t nc, const int64_t G,
-        const int bf16) {
+        const int bf16, const int fp8) {
     const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     const int64_t head_dim = nc * 16, group = d->group, per_head = group / G;
     const int64_t key_stride = d->num_kv_heads * head_dim, block_size = d->block_size;
@@ -238,10 +266,12 @@ INLINE void walk_heads(
             load_row(d->q, t * d->q_token_stride + (h * group + r) * head_dim, qs + s * nc,
                      nc, bf16);
             for (int64_t c = 0; c < nc; c++) qs[s * nc + c] *= d->scale;
-            if (init != -INFINITY)
+            if (init != -INFINITY) {
+                /* in the units the walk sums V in (see v_scale) */
                 load_row(d->init_out, t * is[0] + h * is[1] + r * is[2], as + s * nc, nc,
                          bf16);
-            else
+                for (int64_t c = 0; c < nc; c++) as[s * nc + c] *= 1.f / d->v_scale;
+            } else
                 for (int64_t c = 0; c < nc; c++) as[s * nc + c] = (f32x16){0};
             ms[s] = (f32x16){0} + init;
             ls[s] = init != -INFINITY ? (f32x16){1.f} : (f32x16){0};
@@ -249,12 +279,12 @@ INLINE void walk_heads(
     }
     /* while a chunk is walked, prefetches run AHEAD_BYTES of K and V rows (this walk's heads'
      * part of each row) ahead of it: through the rest of this walk, then into the next */
-    const int64_t span_off = h0 * head_dim, span = nh * head_dim * (bf16 ? 2 : 4);
+    const int64_t span_off = h0 * head_dim, span = nh * head_dim * kv_elt(bf16, fp8);
     int64_t ahead_keys = AHEAD_BYTES / (2 * span) / 16 * 16;
     if (ahead_keys < 16) ahead_keys = 16;
     ahead_rows ahead = {{{table, lo + ahead_keys, hi, span_off, span},
                          next ? *next : (ahead_seg){table, 0, 0, 0, 0}}, 0, 0, NULL, NULL,
-                        d->k_cache, d->v_cache, key_stride, block_size, bf16 ? 2 : 4};
+                        d->k_cache, d->v_cache, key_stride, block_size, kv_elt(bf16, fp8)};
     const int64_t row_lines = (span + 63) / 64;
     for (int64_t j0 = lo; j0 < hi;) {
         const int64_t n = chunk_len(j0, hi, block_size);
@@ -267,7 +297,7 @@ INLINE void walk_heads(
             pass_chunk(qs + p * G * nc, as + p * G * nc, ms + p * G, ls + p * G, d->k_cache,
                        d->v_cache, base + (h0 + p / per_head) * head_dim, key_stride, n, valid,
                        &ahead, chunk_lines * (p + 1) / passes - chunk_lines * p / passes, nc,
-                       G, bf16);
+                       G, bf16, fp8);
         j0 += n;
     }
     for (int64_t p = 0; p < passes; p++) {
@@ -276,7 +306,7 @@ INLINE void walk_heads(
             const int64_t s = p * G + g, row = (t * d->num_kv_heads + h) * group + r0 + g;
             const float sum = hsum(ls[s]);
             const float inv = sum == 0.f ? 0.f : 1.f / sum;  /* 0 only for an empty range */
-            store_row(d->out, row * head_dim, as + s * nc, inv, nc, bf16);
+            store_row(d->out, row * head_dim, as + s * nc, inv * d->v_scale, nc, bf16);
             if (d->lse) d->lse[row] = sum == 0.f ? -INFINITY : ms[s][0] + logf(sum);
         }
     }
@@ -298,9 +328,9 @@ INLINE int64_t pass_rows(int64_t nc, int64_t group) {
 /* walk_heads with constant nc and G for the common head sizes (32, 64, 128, 256). */
 INLINE void walk(const decode_args *d, const int32_t *table, int64_t lo, int64_t hi,
                  int64_t t, int64_t h0, int64_t nh, const ahead_seg *next, int64_t nc,
-                 const int bf16) {
+                 const int bf16, const int fp8) {
     const int64_t G = pass_rows(nc, d->group);
-#define WALK(NC, G) walk_heads(d, table, lo, hi, t, h0, nh, next, NC, G, bf16)
+#define WALK(NC, G) walk_heads(d, table, lo, hi, t, h0, nh, next, NC, G, bf16, fp8)
     switch (nc * 16 + G) {
     case 2 * 16 + 1: WALK(2, 1); break;
     case 2 * 16 + 2: WALK(2, 2); break;
@@ -341,23 +371,23 @@ INLINE decode_item_t item_at(const decode_args *d, int64_t item, int64_t splits,
 /* The rows of an item's walk that starts at KV head h, for the walk before it to
  * prefetch. */
 INLINE ahead_seg walk_rows(const decode_item_t *it, int64_t h, int64_t per_walk,
-                           int64_t head_dim, int bf16) {
+                           int64_t head_dim, int64_t elt) {
     const int64_t left = it->h0 + it->nh - h, nh = left < per_walk ? left : per_walk;
-    return (ahead_seg){it->table, it->lo, it->hi, h * head_dim, nh * head_dim * (bf16 ? 2 : 4)};
+    return (ahead_seg){it->table, it->lo, it->hi, h * head_dim, nh * head_dim * elt};
 }
 
 /* One work item in walks of heads_per_walk heads; next (or NULL) is the first walk of the
  * item this thread takes after it. */
 INLINE void decode_item(const decode_args *d, const decode_item_t *it, const ahead_seg *next,
-                        int64_t head_dim, int bf16) {
+                        int64_t head_dim, int bf16, int fp8) {
     const int64_t nc = head_dim / 16, per_walk = heads_per_walk(d, head_dim);
     const int64_t end = it->h0 + it->nh;
     for (int64_t h = it->h0; h < end; h += per_walk) {
         const int64_t nh = end - h < per_walk ? end - h : per_walk;
         /* after this walk: the same sequence's next heads, or the next item */
-        const ahead_seg following = walk_rows(it, h + nh, per_walk, head_dim, bf16);
+        const ahead_seg following = walk_rows(it, h + nh, per_walk, head_dim, kv_elt(bf16, fp8));
         walk(d, it->table, it->lo, it->hi, it->t, h, nh, h + nh < end ? &following : next,
-             nc, bf16);
+             nc, bf16, fp8);
     }
 }
 
@@ -366,25 +396,28 @@ INLINE int unsupported(int64_t group, int64_t head_dim, int64_t heads_per_item) 
         || heads_per_item < 1;
 }
 
-/* Entry points, one per element type (each with its own parallel loop, so the element type
- * is a constant inside it). q [num_seqs, num_kv_heads * group, head_dim] with rows
+/* Entry points, one per element type and cache type (each with its own parallel loop, so
+ * both are constants inside it): the cache holds the element type T, or E4M3 codes (FP8,
+ * with v_scale; k_scale is the caller's to fold into scale). q [num_seqs, num_kv_heads *
+ * group, head_dim] with rows
  * q_token_stride elements apart; out contiguous in the same shape; lse (optional)
  * [num_seqs, heads]. init_out [num_seqs, num_kv_heads, group, head_dim] and init_lse
  * [num_seqs, num_kv_heads, group] (optional, both or neither; strides by sequence, KV head
  * and group row os0..os2 and ls0..ls2, head_dim contiguous) are a partial result over other
  * keys to merge with: a cascade's shared prefix, as the shared product left it.
  * Returns nonzero, touching nothing, for a shape it does not handle. */
-#define ENTRY(NAME, T, BF16)                                                                  \
-int NAME(const T *q, int64_t q_token_stride, const T *k_cache, const T *v_cache,               \
+#define ENTRY(NAME, T, CT, BF16, FP8)                                                         \
+int NAME(const T *q, int64_t q_token_stride, const CT *k_cache, const CT *v_cache,             \
          const int32_t *block_tables, int64_t bt_stride, const int32_t *lo, const int32_t *hi, \
          int64_t num_seqs, int64_t num_kv_heads, int64_t group, int64_t head_dim,              \
          int64_t block_size, float scale, T *out, float *lse, const T *init_out,              \
          const float *init_lse, int64_t os0, int64_t os1, int64_t os2, int64_t ls0,            \
-         int64_t ls1, int64_t ls2, int64_t heads_per_item) {                                   \
+         int64_t ls1, int64_t ls2, int64_t heads_per_item, float v_scale) {                    \
     if (unsupported(group, head_dim, heads_per_item) || !init_out != !init_lse) return 1;     \
     const int64_t init_strides[6] = {os0, os1, os2, ls0, ls1, ls2};                           \
     const decode_args d = {q, k_cache, v_cache, init_out, out, lse, init_lse, init_strides,    \
-                           q_token_stride, num_kv_heads, group, block_size, scale};            \
+                           q_token_stride, num_kv_heads, group, block_size, scale,             \
+                           FP8 ? v_scale : 1.f};                                               \
     const int64_t splits = (num_kv_heads + heads_per_item - 1) / heads_per_item;               \
     const int64_t items = num_seqs * splits;                                                   \
     int64_t taken = 0;  /* items handed out: each thread takes its next one a step early */    \
@@ -399,13 +432,16 @@ int NAME(const T *q, int64_t q_token_stride, const T *k_cache, const T *v_cache,
             if (after < items) {                                                               \
                 const decode_item_t it2 = item_at(&d, after, splits, heads_per_item,           \
                                                   block_tables, bt_stride, lo, hi);            \
-                next = walk_rows(&it2, it2.h0, heads_per_walk(&d, head_dim), head_dim, BF16);  \
+                next = walk_rows(&it2, it2.h0, heads_per_walk(&d, head_dim), head_dim,         \
+                                 kv_elt(BF16, FP8));                                           \
             }                                                                                  \
-            decode_item(&d, &it, after < items ? &next : NULL, head_dim, BF16);                \
+            decode_item(&d, &it, after < items ? &next : NULL, head_dim, BF16, FP8);           \
             item = after;                                                                      \
         }                                                                                      \
     }                                                                                          \
     return 0;                                                                                  \
 }
-ENTRY(paged_decode_f32, float, 0)
-ENTRY(paged_decode_bf16, uint16_t, 1)
+ENTRY(paged_decode_f32, float, float, 0, 0)
+ENTRY(paged_decode_bf16, uint16_t, uint16_t, 1, 0)
+ENTRY(paged_decode_f32_fp8, float, uint8_t, 0, 1)
+ENTRY(paged_decode_bf16_fp8, uint16_t, uint8_t, 1, 1)

@@ -195,14 +195,16 @@ INLINE void dot_load_query(dot_rows *st, int r, const void *q, int64_t head_dim,
 }
 
 /* Row r starts from nothing (lse -inf) or from a partial result over other keys: its
- * normalised output init (head_dim elements) at natural log-sum-exp lse. */
+ * normalised output init (head_dim elements) at natural log-sum-exp lse. v_scale: what the
+ * rows' values are to be multiplied by at the end (dot_finish_row; an FP8 cache's scale,
+ * else 1), which init is divided by here. */
 INLINE void dot_start_row(dot_rows *st, int r, float lse, const void *init, int64_t head_dim,
-                          int bf16) {
+                          int bf16, float v_scale) {
     st->m[r] = lse == -INFINITY ? -INFINITY : lse * (float)M_LOG2E;
     st->l[r] = lse == -INFINITY ? 0.f : 1.f;
     for (int64_t c = 0; c < head_dim; c += 16)
         store_f32(st->o + r * DOT_MAX_HEAD_DIM + c,
-                  lse == -INFINITY ? (f32x16){0} : load16(init, c, bf16));
+                  lse == -INFINITY ? (f32x16){0} : load16(init, c, bf16) * (1.f / v_scale));
 }
 
 /* Every row over n <= DOT_KEY_BLOCK keys: kp points at the first one's column of K's layout
@@ -256,10 +258,11 @@ INLINE void dot_block(dot_rows *st, const uint32_t *kp, const uint32_t *vp, int6
     }
 }
 
-/* Row r's result: its output, normalised, at out (head_dim elements); returns its natural
- * log-sum-exp. */
-INLINE float dot_finish_row(const dot_rows *st, int r, void *out, int64_t head_dim, int bf16) {
-    const float inv = 1.f / st->l[r];  /* l >= 1: the largest score's weight is 1 */
+/* Row r's result: its output, normalised and times v_scale, at out (head_dim elements);
+ * returns its natural log-sum-exp. */
+INLINE float dot_finish_row(const dot_rows *st, int r, void *out, int64_t head_dim, int bf16,
+                            float v_scale) {
+    const float inv = 1.f / st->l[r] * v_scale;  /* l >= 1: the largest score's weight is 1 */
     for (int64_t c = 0; c < head_dim; c += 16)
         store16(out, c, load_f32(st->o + r * DOT_MAX_HEAD_DIM + c) * inv, bf16);
     return (st->m[r] + log2f(st->l[r])) * (float)M_LN2;

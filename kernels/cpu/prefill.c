@@ -32,7 +32,12 @@
  * rate), and AMX tiles for the two products gained about 1% end to end.
  *
  * init_out/init_lse (optional): a partial result of the same query rows over other keys
- * (a cascade's shared prefix), merged in by starting each row's softmax from it. */
+ * (a cascade's shared prefix), merged in by starting each row's softmax from it.
+ *
+ * An FP8 cache holds E4M3 codes (kernels/fp8.py), widened exactly as keys are read (to
+ * float32, or for the bfloat16 micro-kernel to bfloat16, which holds every E4M3 value); the
+ * K scale is folded into the scores' scale by the caller, and the V scale multiplies each
+ * row's result (a partial result to start from is divided by it first). */
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -133,18 +138,24 @@ INLINE void transpose16(f32x16 *x) {
 #undef UNPAREN
 }
 
+/* 16 elements at element i of a cache of the element type (bf16 as for load16), or of
+ * E4M3 codes (fp8), widened */
+INLINE f32x16 load16_kv(const void *base, int64_t i, int bf16, int fp8) {
+    return fp8 ? load_fp8((const uint8_t *)base + i) : load16(base, i, bf16);
+}
+
 /* Keys [k0, k0 + n) of the sequence whose block table is table, widened to float32 rows of
  * head_dim: kb[j * head_dim + d] = K[j][d], vb likewise. */
 INLINE void widen_block(const void *k_cache, const void *v_cache, const int32_t *table,
                         int64_t block_size, int64_t key_stride, int64_t head_off, int64_t k0,
-                        int64_t n, int64_t head_dim, float *kb, float *vb, int bf16) {
+                        int64_t n, int64_t head_dim, float *kb, float *vb, int bf16, int fp8) {
     for (int64_t j = 0; j < n; j++) {
         const int64_t p = k0 + j;
         const int64_t at = ((int64_t)table[p / block_size] * block_size + p % block_size)
                            * key_stride + head_off;
         for (int64_t c = 0; c < head_dim; c += 16) {
-            store_f32(kb + j * head_dim + c, load16(k_cache, at + c, bf16));
-            store_f32(vb + j * head_dim + c, load16(v_cache, at + c, bf16));
+            store_f32(kb + j * head_dim + c, load16_kv(k_cache, at + c, bf16, fp8));
+            store_f32(vb + j * head_dim + c, load16_kv(v_cache, at + c, bf16, fp8));
         }
     }
 }
@@ -232,7 +243,7 @@ INLINE int prefill_item(
         const int32_t *table, int64_t block_size, int64_t q0, int64_t n, int64_t lo,
         int64_t hi, int64_t t0, int64_t t1, int64_t h, int64_t num_kv_heads, int64_t group,
         int64_t head_dim, float scale, void *out, float *lse, const void *init_out,
-        const float *init_lse, const int64_t *init_strides, int bf16) {
+        const float *init_lse, const int64_t *init_strides, float v_scale, int bf16, int fp8) {
     const int64_t D = head_dim, heads = num_kv_heads * group;
     const int64_t rows = (t1 - t0) * group, padded = (rows + 15) / 16 * 16;
     const int64_t key_stride = num_kv_heads * head_dim;
@@ -258,7 +269,8 @@ INLINE int prefill_item(
         l[r] = init == -INFINITY ? 0.f : 1.f;
         for (int64_t c = 0; c < D; c += 16)
             store_f32(a + r * D + c, init == -INFINITY ? (f32x16){0}
-                      : load16(init_out, token * os[0] + h * os[1] + g * os[2] + c, bf16));
+                      : load16(init_out, token * os[0] + h * os[1] + g * os[2] + c, bf16)
+                            * (1.f / v_scale));
     }
     /* queries, scaled, 16 rows x 16 elements at a time transposed into qt */
     for (int64_t g0 = 0; g0 < padded; g0 += 16)
@@ -276,7 +288,7 @@ INLINE int prefill_item(
     for (int64_t k0 = lo; k0 < end; k0 += KEY_BLOCK) {
         const int64_t kn = end - k0 < KEY_BLOCK ? end - k0 : KEY_BLOCK;
         widen_block(k_cache, v_cache, table, block_size, key_stride, h * D, k0, kn, D, kb, vb,
-                    bf16);
+                    bf16, fp8);
         for (int64_t g0 = 0; g0 < padded; g0 += 16) {
             i32x16 lim;
             for (int64_t r = 0; r < 16; r++) {
@@ -290,7 +302,7 @@ INLINE int prefill_item(
     }
     for (int64_t r = 0; r < rows; r++) {
         const int64_t token = q0 + t0 + r / group, head = h * group + r % group;
-        const float inv = l[r] == 0.f ? 0.f : 1.f / l[r];  /* 0: no keys and no init */
+        const float inv = l[r] == 0.f ? 0.f : 1.f / l[r] * v_scale;  /* 0: no keys, no init */
         for (int64_t c = 0; c < D; c += 16)
             store16(out, token * heads * D + head * D + c, load_f32(a + r * D + c) * inv, bf16);
         if (lse) lse[token * heads + head] = l[r] == 0.f ? -INFINITY : m[r] + logf(l[r]);
@@ -298,33 +310,68 @@ INLINE int prefill_item(
     return 0;
 }
 
+/* 16 words of pairs of bfloat16: elements [i, i + 32) of a bfloat16 cache, or of an E4M3
+ * one (fp8) widened exactly */
+INLINE f32x16 load_pairs_kv(const void *base, int64_t i, int fp8) {
+    f32x16 x;
+    if (fp8) {
+        u16x16 w;
+        memcpy(&w, (const uint8_t *)base + i, sizeof w);
+        const f32x16 even = fp8_to_f32(__builtin_convertvector(w & 0xff, u32x16));
+        const f32x16 odd = fp8_to_f32(__builtin_convertvector(w >> 8, u32x16));
+        u32x16 e, o;
+        memcpy(&e, &even, sizeof e);
+        memcpy(&o, &odd, sizeof o);
+        const u32x16 pairs = e >> 16 | (o & 0xffff0000u);
+        memcpy(&x, &pairs, sizeof x);
+    } else {
+        memcpy(&x, (const uint16_t *)base + i, sizeof x);
+    }
+    return x;
+}
+/* elements [i, i + 16) of a bfloat16 cache, or of an E4M3 one (fp8) widened exactly, as
+ * bfloat16 bits */
+INLINE u16x16 load_bf16_kv(const void *base, int64_t i, int fp8) {
+    u16x16 h;
+    if (fp8) {
+        const f32x16 v = load_fp8((const uint8_t *)base + i);
+        u32x16 u;
+        memcpy(&u, &v, sizeof u);
+        h = __builtin_convertvector(u >> 16, u16x16);
+    } else {
+        memcpy(&h, (const uint16_t *)base + i, sizeof h);
+    }
+    return h;
+}
+
 /* bfloat16 keys [k0, k0 + n) of KV head h (head_off = h * D) laid out for dot_attn.h,
  * padded with zeros to kpad (n rounded up to 64): K's pairs of dimensions key-major
  * ([D/2][kpad] words; 16 keys x 16 words at a time, transposed in registers), V's pairs of
- * keys ([kpad/2][D] words). D is a multiple of 32. */
-INLINE void lay_out_block(const uint16_t *k_cache, const uint16_t *v_cache,
+ * keys ([kpad/2][D] words). D is a multiple of 32. The cache holds bfloat16, or E4M3 codes
+ * (fp8). */
+INLINE void lay_out_block(const void *k_cache, const void *v_cache,
                           const int32_t *table, int64_t block_size, int64_t key_stride,
                           int64_t head_off, int64_t k0, int64_t n, int64_t kpad, int64_t D,
-                          uint32_t *kl, uint32_t *vl) {
+                          uint32_t *kl, uint32_t *vl, int fp8) {
 #define ROW(p) (((int64_t)table[(k0 + (p)) / block_size] * block_size + (k0 + (p)) % block_size) \
                 * key_stride + head_off)
     for (int64_t p0 = 0; p0 < kpad; p0 += 16)
         for (int64_t w0 = 0; w0 < D / 2; w0 += 16) {
             f32x16 x[16];
             for (int64_t j = 0; j < 16; j++) {
-                if (p0 + j < n) memcpy(&x[j], k_cache + ROW(p0 + j) + 2 * w0, sizeof x[j]);
+                if (p0 + j < n) x[j] = load_pairs_kv(k_cache, ROW(p0 + j) + 2 * w0, fp8);
                 else x[j] = (f32x16){0};
             }
             transpose16(x);
             for (int64_t e = 0; e < 16; e++) memcpy(kl + (w0 + e) * kpad + p0, &x[e], sizeof x[e]);
         }
     for (int64_t f = 0; f < kpad / 2; f++) {
-        const uint16_t *a = 2 * f < n ? v_cache + ROW(2 * f) : NULL;
-        const uint16_t *b = 2 * f + 1 < n ? v_cache + ROW(2 * f + 1) : NULL;
+        const int64_t a = 2 * f < n ? ROW(2 * f) : -1;
+        const int64_t b = 2 * f + 1 < n ? ROW(2 * f + 1) : -1;
         for (int64_t e = 0; e < D; e += 16) {
             u16x16 lo = {0}, hi = {0};
-            if (a) memcpy(&lo, a + e, sizeof lo);
-            if (b) memcpy(&hi, b + e, sizeof hi);
+            if (a >= 0) lo = load_bf16_kv(v_cache, a + e, fp8);
+            if (b >= 0) hi = load_bf16_kv(v_cache, b + e, fp8);
             const u32x16 w = __builtin_convertvector(lo, u32x16)
                            | __builtin_convertvector(hi, u32x16) << 16;
             memcpy(vl + f * D + e, &w, sizeof w);
@@ -363,12 +410,12 @@ INLINE void row_out(const dot_rows *st, int r, float *o, float *m, float *l, int
  * DOT_ROWS at a time, each stopping at the last key its last row sees, their softmax state
  * and output kept in the item's scratch between blocks. */
 INLINE int prefill_item_dot(
-        const uint16_t *q, int64_t q_token_stride, const uint16_t *k_cache,
-        const uint16_t *v_cache, const int32_t *table, int64_t block_size, int64_t q0,
+        const uint16_t *q, int64_t q_token_stride, const void *k_cache,
+        const void *v_cache, const int32_t *table, int64_t block_size, int64_t q0,
         int64_t n, int64_t lo, int64_t hi, int64_t t0, int64_t t1, int64_t h,
         int64_t num_kv_heads, int64_t group, int64_t head_dim, float scale, uint16_t *out,
         float *lse, const uint16_t *init_out, const float *init_lse,
-        const int64_t *init_strides) {
+        const int64_t *init_strides, float v_scale, int fp8) {
     const int64_t D = head_dim, heads = num_kv_heads * group;
     const int64_t rows = (t1 - t0) * group;
     const int64_t padded = (rows + DOT_ROWS - 1) / DOT_ROWS * DOT_ROWS;
@@ -390,14 +437,14 @@ INLINE int prefill_item_dot(
         dot_start_row(&st, rr, init_lse ? init_lse[token * ls[0] + h * ls[1] + g * ls[2]]
                                         : -INFINITY,
                       init_out ? init_out + token * os[0] + h * os[1] + g * os[2] : NULL,
-                      D, 1);
+                      D, 1, v_scale);
         row_out(&st, rr, o, m, l, r, D);
     }
     const int64_t key_stride = num_kv_heads * D, end = last[padded - 1];
     for (int64_t k0 = lo; k0 < end; k0 += DOT_KEY_BLOCK) {
         const int64_t kn = end - k0 < DOT_KEY_BLOCK ? end - k0 : DOT_KEY_BLOCK;
         lay_out_block(k_cache, v_cache, table, block_size, key_stride, h * D, k0, kn,
-                      (kn + 63) / 64 * 64, D, kl, vl);
+                      (kn + 63) / 64 * 64, D, kl, vl, fp8);
         for (int64_t r0 = 0; r0 < padded; r0 += DOT_ROWS) {
             const int64_t see = last[r0 + DOT_ROWS - 1] - k0;  /* the block's last row */
             if (see <= 0) continue;
@@ -418,7 +465,8 @@ INLINE int prefill_item_dot(
     for (int64_t i = 0; i < rows; i++) {
         const int64_t token = TOKEN(i), head = h * group + GROUP_ROW(i);
         row_in(&st, 0, o, m, l, i, D);
-        const float row_lse = dot_finish_row(&st, 0, out + (token * heads + head) * D, D, 1);
+        const float row_lse = dot_finish_row(&st, 0, out + (token * heads + head) * D, D, 1,
+                                             v_scale);
         if (lse) lse[token * heads + head] = row_lse;
     }
 #undef TOKEN
@@ -428,7 +476,9 @@ INLINE int prefill_item_dot(
 
 int prefill_bf16_dot_available(void) { return HAVE_BF16_DOT; }
 
-/* Entry points, one per element type. chunks: num_chunks rows of (s, q0, q1, lo, hi), int32.
+/* Entry points, one per element type and cache type (that type, or E4M3 codes: FP8, with
+ * v_scale; k_scale is the caller's to fold into scale). chunks: num_chunks rows of
+ * (s, q0, q1, lo, hi), int32.
  * q [tokens, heads, head_dim] with rows q_token_stride elements apart; out contiguous in the
  * same shape; lse (optional) [tokens, heads] float32. init_out [tokens, num_kv_heads, group,
  * head_dim] and init_lse [tokens, num_kv_heads, group], both or neither, with strides
@@ -436,14 +486,15 @@ int prefill_bf16_dot_available(void) { return HAVE_BF16_DOT; }
  * bfloat16 chunks may take prefill_item_dot (where this build has the instructions).
  * Returns nonzero, touching nothing, for a shape it does not handle; 2 when out of memory
  * (out then holds the rows of the items that ran). */
-#define ENTRY(NAME, T, BF16)                                                                  \
-int NAME(const T *q, int64_t q_token_stride, const T *k_cache, const T *v_cache,               \
+#define ENTRY(NAME, T, CT, BF16, FP8)                                                         \
+int NAME(const T *q, int64_t q_token_stride, const CT *k_cache, const CT *v_cache,             \
          const int32_t *block_tables, int64_t bt_stride, int64_t block_size,                   \
          const int32_t *chunks, int64_t num_chunks, int64_t num_kv_heads, int64_t group,       \
          int64_t head_dim, float scale, T *out, float *lse, const T *init_out,                \
          const float *init_lse, int64_t os0, int64_t os1, int64_t os2, int64_t ls0,            \
-         int64_t ls1, int64_t ls2, int64_t bf16_dot) {                                         \
+         int64_t ls1, int64_t ls2, int64_t bf16_dot, float v_scale) {                          \
     const int64_t init_strides[6] = {os0, os1, os2, ls0, ls1, ls2};                           \
+    if (!FP8) v_scale = 1.f;                                                                  \
     if (group < 1 || group > MAX_GROUP || head_dim < 16 || head_dim % 16                     \
         || head_dim > MAX_HEAD_DIM                                                            \
         || !init_out != !init_lse)                                                            \
@@ -470,18 +521,20 @@ int NAME(const T *q, int64_t q_token_stride, const T *k_cache, const T *v_cache,
         const int32_t *table = block_tables + ch[0] * bt_stride;                              \
         if (BF16 && HAVE_BF16_DOT && bf16_dot && head_dim % 32 == 0                            \
                 && (ch[4] - ch[3]) * head_dim >= DOT_MIN_KEY_ELEMENTS                          \
-            ? prefill_item_dot((const uint16_t *)q, q_token_stride,                            \
-                               (const uint16_t *)k_cache, (const uint16_t *)v_cache, table,    \
+            ? prefill_item_dot((const uint16_t *)q, q_token_stride, k_cache, v_cache, table,   \
                                block_size, ch[1], n, ch[3], ch[4], t0, t1, h, num_kv_heads,    \
                                group, head_dim, scale, (uint16_t *)out, lse,                   \
-                               (const uint16_t *)init_out, init_lse, init_strides)             \
+                               (const uint16_t *)init_out, init_lse, init_strides, v_scale,    \
+                               FP8)                                                            \
             : prefill_item(q, q_token_stride, k_cache, v_cache, table, block_size, ch[1], n,    \
                            ch[3], ch[4], t0, t1, h, num_kv_heads, group, head_dim, scale, out, \
-                           lse, init_out, init_lse, init_strides, BF16))                       \
+                           lse, init_out, init_lse, init_strides, v_scale, BF16, FP8))         \
             __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);                                    \
     }                                                                                         \
     free(item_chunk);                                                                         \
     return failed ? 2 : 0;                                                                    \
 }
-ENTRY(prefill_attn_f32, float, 0)
-ENTRY(prefill_attn_bf16, uint16_t, 1)
+ENTRY(prefill_attn_f32, float, float, 0, 0)
+ENTRY(prefill_attn_bf16, uint16_t, uint16_t, 1, 0)
+ENTRY(prefill_attn_f32_fp8, float, uint8_t, 0, 1)
+ENTRY(prefill_attn_bf16_fp8, uint16_t, uint8_t, 1, 1)

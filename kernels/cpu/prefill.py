@@ -8,7 +8,8 @@ keys in place from the paged cache, and can start from a cascade's shared-prefix
 Long bfloat16 chunks run on the CPU's bfloat16 dot products on AMD CPUs that have them
 (see DOT_MIN_KEY_ELEMENTS); on CPUs with AMX they are left to torch's flash kernel (see
 FLASH_MIN_KEYS_X_DIM2). Where it cannot be built (see build.py), available() is false
-and the torch path runs.
+and the torch path runs. Caches are of the query's type (float32, bfloat16) or FP8 (E4M3
+with a K and a V scale, as kernels/fp8.py says).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from .. import fp8
 from . import build
 
 SOURCE = Path(__file__).with_name("prefill.c")
@@ -55,18 +57,27 @@ class PrefillKernel:
         # matrix units and beats both forms here; the caller leaves it the chunks with
         # keys x head_dim^2 at least this (FLASH_MIN_KEYS_X_DIM2), None elsewhere.
         self.flash_min_keys_x_dim2 = FLASH_MIN_KEYS_X_DIM2 if build.has_amx() else None
-        self._fns = build.entry_points(
-            lib,
-            {torch.float32: "prefill_attn_f32", torch.bfloat16: "prefill_attn_bf16"},
-            [p, i64, p, p, p, i64, i64, p, i64, i64, i64, i64, ctypes.c_float,
-             p, p, p, p, i64, i64, i64, i64, i64, i64, i64], ctypes.c_int)
+        argtypes = [p, i64, p, p, p, i64, i64, p, i64, i64, i64, i64, ctypes.c_float,
+                    p, p, p, p, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float]
+        self._fns = {}  # by (query dtype, cache dtype: None for the query's)
+        for cache, names in (
+                (None, {torch.float32: "prefill_attn_f32", torch.bfloat16: "prefill_attn_bf16"}),
+                (fp8.FP8_DTYPE, {torch.float32: "prefill_attn_f32_fp8",
+                                 torch.bfloat16: "prefill_attn_bf16_fp8"})):
+            for dtype, fn in build.entry_points(lib, names, argtypes, ctypes.c_int).items():
+                self._fns[dtype, cache] = fn
         self._checked: tuple[torch.Tensor, torch.Tensor, int, int, int] | None = None
 
     def supports(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
-                 head_dim: int) -> bool:
+                 head_dim: int, cache_dtype: torch.dtype | None = None) -> bool:
+        """Queries of dtype against a cache of cache_dtype (None: dtype) of this shape."""
         group = num_heads // num_kv_heads
-        return (dtype in self._fns and head_dim % 16 == 0 and 0 < head_dim <= MAX_HEAD_DIM
-                and 1 <= group <= MAX_GROUP and num_heads == group * num_kv_heads)
+        return (self._fn(dtype, cache_dtype) is not None and head_dim % 16 == 0
+                and 0 < head_dim <= MAX_HEAD_DIM and 1 <= group <= MAX_GROUP
+                and num_heads == group * num_kv_heads)
+
+    def _fn(self, dtype: torch.dtype, cache_dtype: torch.dtype | None):
+        return self._fns.get((dtype, None if cache_dtype in (None, dtype) else cache_dtype))
 
     def _check_chunks(self, chunks: torch.Tensor, block_tables: torch.Tensor, num_tokens: int,
                       num_blocks: int, block_size: int) -> None:
@@ -99,14 +110,16 @@ class PrefillKernel:
     def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, chunks: torch.Tensor, scale: float,
                  out: torch.Tensor, lse: torch.Tensor | None = None,
-                 init: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 init: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         """Causal attention of query [T, H, D] (rows may be strided) for each chunk
         (s, q0, q1, lo, hi) of chunks [C, 5] int32: tokens [q0, q1) are the last positions
         of sequence s, whose context ends at hi, and see key positions [lo, ...) causally.
         Writes out [T, H, D] (contiguous) for the chunks' tokens and, when given, lse [T, H]
         float32. init, when given, is (out [T, Hkv, G, D], lse [T, Hkv, G]) of the same
         queries over other keys (any strides but along head_dim), and the result is their
-        merge; a row with init lse -inf starts from nothing."""
+        merge; a row with init lse -inf starts from nothing. An FP8 cache's keys and values
+        are read times k_scale and v_scale."""
         num_tokens, num_heads, head_dim = query.shape
         num_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
         group = num_heads // num_kv_heads
@@ -120,13 +133,14 @@ class PrefillKernel:
                        and io.device.type == il.device.type == "cpu")
         else:
             init_ok = True
-        if not (self.supports(query.dtype, num_heads, num_kv_heads, head_dim) and init_ok
+        if not (self.supports(query.dtype, num_heads, num_kv_heads, head_dim, k_cache.dtype)
+                and init_ok
                 and all(t.device.type == "cpu" for t in tensors if t is not None)
                 and cache_head_dim == head_dim
                 and query.stride(2) == 1 and query.stride(1) == head_dim
                 and k_cache.is_contiguous() and v_cache.is_contiguous()
                 and v_cache.shape == k_cache.shape
-                and k_cache.dtype == v_cache.dtype == query.dtype == out.dtype
+                and k_cache.dtype == v_cache.dtype and query.dtype == out.dtype
                 and out.is_contiguous() and out.shape == query.shape
                 and block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
                 and chunks.dtype == torch.int32 and chunks.is_contiguous()
@@ -135,14 +149,16 @@ class PrefillKernel:
                                      and lse.numel() == num_tokens * num_heads))):
             raise ValueError("cpu prefill kernel: arguments out of contract")
         self._check_chunks(chunks, block_tables, num_tokens, num_blocks, block_size)
-        rc = self._fns[query.dtype](
+        if not fp8.is_fp8(k_cache):
+            k_scale = v_scale = 1.0
+        rc = self._fn(query.dtype, k_cache.dtype)(
             query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
             block_tables.data_ptr(), block_tables.stride(0), block_size, chunks.data_ptr(),
-            chunks.shape[0], num_kv_heads, group, head_dim, scale, out.data_ptr(),
+            chunks.shape[0], num_kv_heads, group, head_dim, scale * k_scale, out.data_ptr(),
             lse.data_ptr() if lse is not None else None,
             init[0].data_ptr() if init else None, init[1].data_ptr() if init else None,
             *(init[0].stride()[:3] if init else (0, 0, 0)),
-            *(init[1].stride() if init else (0, 0, 0)), int(self.bf16_dot))
+            *(init[1].stride() if init else (0, 0, 0)), int(self.bf16_dot), v_scale)
         if rc != 0:
             raise ValueError(f"cpu prefill kernel rejected group={group} head_dim={head_dim}"
                              if rc == 1 else "cpu prefill kernel: out of memory")
@@ -158,11 +174,14 @@ def available() -> bool:
     return _kernel() is not None
 
 
-def supports(query: torch.Tensor, num_kv_heads: int) -> bool:
-    """Whether the kernel takes query [T, H, D] against num_kv_heads KV heads: available,
-    on the CPU, of a dtype and head shape it handles."""
+def supports(query: torch.Tensor, num_kv_heads: int, cache_dtype: torch.dtype | None = None
+             ) -> bool:
+    """Whether the kernel takes query [T, H, D] against num_kv_heads KV heads of a cache of
+    cache_dtype (None: the query's): available, on the CPU, of dtypes and a head shape it
+    handles."""
     return (query.device.type == "cpu" and available()
-            and _kernel().supports(query.dtype, query.shape[1], num_kv_heads, query.shape[2]))
+            and _kernel().supports(query.dtype, query.shape[1], num_kv_heads, query.shape[2],
+                                   cache_dtype))
 
 
 def flash_min_keys_x_dim2() -> int | None:
@@ -175,7 +194,9 @@ def flash_min_keys_x_dim2() -> int | None:
 def attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               block_tables: torch.Tensor, chunks: torch.Tensor, scale: float,
               out: torch.Tensor, lse: torch.Tensor | None = None,
-              init: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+              init: tuple[torch.Tensor, torch.Tensor] | None = None,
+              k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Prefill attention by the kernel (PrefillKernel.__call__), for a query supports()
     takes."""
-    _kernel()(query, k_cache, v_cache, block_tables, chunks, scale, out, lse, init)
+    _kernel()(query, k_cache, v_cache, block_tables, chunks, scale, out, lse, init, k_scale,
+              v_scale)

@@ -8,6 +8,9 @@
  * with each product and the sum rounded to the element type, so the bits match the model's
  * torch path. For that the compiler must not fuse a product and the sum into one
  * multiply-add (a single rounding), hence the pragma, which covers this file only.
+ *
+ * An FP8 cache (kernels/fp8.py) gets E4M3 codes of k / k_scale and v / v_scale, rounded as
+ * torch rounds (vec.h's f32_to_fp8), so those bits are the torch path's too.
  */
 #pragma GCC optimize("fp-contract=off")
 
@@ -75,3 +78,39 @@ void NAME(const T *qk, int64_t qk_stride, const T *v, int64_t v_stride, const T 
 }
 ENTRY(rope_write_f32, float, 0)
 ENTRY(rope_write_bf16, uint16_t, 1)
+
+/* n elements (a multiple of 16) of src, float32 or bfloat16, divided by scale and stored as
+ * E4M3 codes at dst (see f32_to_fp8) */
+static inline __attribute__((always_inline)) void store_fp8_row(uint8_t *dst, const void *src,
+                                                               int64_t n, float scale,
+                                                               int bf16) {
+    for (int64_t i = 0; i < n; i += 16) store_fp8(dst + i, load16(src, i, bf16), scale);
+}
+
+/* As ENTRY, into an FP8 (E4M3) cache: each rotated k head is rounded to the element type
+ * first (what torch's rotation gives), then stored as k / k_scale; v as v / v_scale. */
+#define ENTRY_FP8(NAME, T, BF16)                                                              \
+void NAME(const T *qk, int64_t qk_stride, const T *v, int64_t v_stride, const T *cos,          \
+          const T *sin, const int64_t *slots, T *q_out, uint8_t *k_cache, uint8_t *v_cache,    \
+          int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,       \
+          float k_scale, float v_scale) {                                                      \
+    const int64_t kv_row = num_kv_heads * head_dim;                                            \
+    _Pragma("omp parallel for schedule(static)")                                               \
+    for (int64_t t = 0; t < num_tokens; t++) {                                                 \
+        for (int64_t h = 0; h < num_heads; h++)                                                \
+            rotate(qk, t * qk_stride + h * head_dim, cos, sin, t * head_dim, q_out,            \
+                   (t * num_heads + h) * head_dim, head_dim, BF16);                            \
+        if (slots[t] < 0)                                                                      \
+            continue;                                                                          \
+        T k[head_dim];                                                                         \
+        for (int64_t h = 0; h < num_kv_heads; h++) {                                           \
+            rotate(qk, t * qk_stride + (num_heads + h) * head_dim, cos, sin, t * head_dim, k,  \
+                   0, head_dim, BF16);                                                         \
+            store_fp8_row(k_cache + slots[t] * kv_row + h * head_dim, k, head_dim, k_scale,    \
+                          BF16);                                                               \
+        }                                                                                      \
+        store_fp8_row(v_cache + slots[t] * kv_row, v + t * v_stride, kv_row, v_scale, BF16);  \
+    }                                                                                          \
+}
+ENTRY_FP8(rope_write_f32_fp8, float, 0)
+ENTRY_FP8(rope_write_bf16_fp8, uint16_t, 1)

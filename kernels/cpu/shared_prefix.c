@@ -12,6 +12,10 @@
  * float32 needs nothing beyond the vector extensions of vec.h. bfloat16 needs the
  * AVX512-BF16 instructions: without them its entry point returns 1 and the caller keeps
  * to torch's flash kernel.
+ *
+ * K and V gathered from an FP8 cache come as E4M3 codes, which prepare widens exactly to
+ * the query's type (every E4M3 value is a bfloat16 value); the K scale is the caller's to
+ * fold into the scores' scale, the V scale multiplies each row's result.
  */
 #include <math.h>
 #include <stdint.h>
@@ -35,7 +39,7 @@ typedef struct {
     int64_t q_token_stride;
     const uint32_t *keys;  /* per KV head: K's layout, then V's (see prepare) */
     int64_t num_tokens, num_kv_heads, group, head_dim, num_keys, keys_pad;
-    float scale;
+    float scale, v_scale;
     void *out;
     float *lse;
 } shared_args;
@@ -53,7 +57,7 @@ INLINE void row_block(const shared_args *d, int64_t h, int64_t r0, int64_t rows,
         dot_load_query(&st, r, r < rows ? (const char *)d->q
                                           + (t * d->q_token_stride + head * D) * (bf16 ? 2 : 4)
                                         : NULL, D, bf16);
-        dot_start_row(&st, r, -INFINITY, NULL, D, bf16);
+        dot_start_row(&st, r, -INFINITY, NULL, D, bf16, d->v_scale);
     }
     for (int64_t p0 = 0; p0 < d->num_keys; p0 += DOT_KEY_BLOCK) {
         const int64_t n = d->num_keys - p0 < DOT_KEY_BLOCK ? d->num_keys - p0 : DOT_KEY_BLOCK;
@@ -66,43 +70,54 @@ INLINE void row_block(const shared_args *d, int64_t h, int64_t r0, int64_t rows,
     for (int64_t r = 0; r < rows; r++) {
         const int64_t i = r0 + r, t = i / group, g = i % group;
         const int64_t row = (t * d->num_kv_heads + h) * group + g;
-        d->lse[row] = dot_finish_row(&st, r, (char *)d->out + row * D * (bf16 ? 2 : 4), D, bf16);
+        d->lse[row] = dot_finish_row(&st, r, (char *)d->out + row * D * (bf16 ? 2 : 4), D, bf16,
+                                     d->v_scale);
     }
 }
 
-/* K and V [num_keys, num_kv_heads, head_dim] into the scratch, per KV head, keys padded
- * to keys_pad with zeros: float32 K^T [D][keys_pad] and V [keys_pad][D]; bfloat16 K's
- * pairs of dimensions key-major ([D/2][keys_pad] words) and V's pairs of keys
- * ([keys_pad/2][D] words, the first key in the low half). */
+/* Element i of a K or V array: bfloat16 bits (bf16) or a float32 value, from an array of
+ * that type or of E4M3 codes (fp8). */
+INLINE uint32_t kv_bf16(const void *x, int64_t i, const int fp8) {
+    return fp8 ? fp8_bf16(((const uint8_t *)x)[i]) : ((const uint16_t *)x)[i];
+}
+INLINE float kv_f32(const void *x, int64_t i, const int fp8) {
+    return fp8 ? fp8_value(((const uint8_t *)x)[i]) : ((const float *)x)[i];
+}
+
+/* K and V [num_keys, num_kv_heads, head_dim] (of the query's type, or E4M3 codes: fp8)
+ * into the scratch, per KV head, keys padded to keys_pad with zeros: float32 K^T
+ * [D][keys_pad] and V [keys_pad][D]; bfloat16 K's pairs of dimensions key-major
+ * ([D/2][keys_pad] words) and V's pairs of keys ([keys_pad/2][D] words, the first key in the
+ * low half). */
 INLINE void prepare(const void *k, const void *v, uint32_t *scratch, int64_t num_keys,
-                    int64_t keys_pad, int64_t num_kv_heads, int64_t head_dim, const int bf16) {
+                    int64_t keys_pad, int64_t num_kv_heads, int64_t head_dim, const int bf16,
+                    const int fp8) {
     const int64_t D = head_dim, row = num_kv_heads * D;
     _Pragma("omp parallel for schedule(static)")
     for (int64_t h = 0; h < num_kv_heads; h++) {
         uint32_t *kp = scratch + h * (bf16 ? 1 : 2) * D * keys_pad;
         uint32_t *vp = kp + (bf16 ? D / 2 : D) * keys_pad;
         if (bf16) {
-            const uint16_t *kb = k, *vb = v;
             for (int64_t p = 0; p < keys_pad; p++)
                 for (int64_t e = 0; e < D / 2; e++) {
-                    uint32_t word = 0;
-                    if (p < num_keys) memcpy(&word, kb + p * row + h * D + 2 * e, sizeof word);
-                    kp[e * keys_pad + p] = word;
+                    const int64_t at = p * row + h * D + 2 * e;
+                    kp[e * keys_pad + p] = p < num_keys
+                        ? kv_bf16(k, at, fp8) | kv_bf16(k, at + 1, fp8) << 16 : 0;
                 }
             for (int64_t f = 0; f < keys_pad / 2; f++)
                 for (int64_t e = 0; e < D; e++) {
-                    const uint32_t lo = 2 * f < num_keys ? vb[2 * f * row + h * D + e] : 0;
+                    const uint32_t lo = 2 * f < num_keys ? kv_bf16(v, 2 * f * row + h * D + e, fp8)
+                                                         : 0;
                     const uint32_t hi = 2 * f + 1 < num_keys
-                                        ? vb[(2 * f + 1) * row + h * D + e] : 0;
+                                        ? kv_bf16(v, (2 * f + 1) * row + h * D + e, fp8) : 0;
                     vp[f * D + e] = lo | hi << 16;
                 }
         } else {
-            const float *kf = k, *vf = v;
             float *kt = (float *)kp, *vt = (float *)vp;
             for (int64_t p = 0; p < keys_pad; p++)
                 for (int64_t e = 0; e < D; e++) {
-                    kt[e * keys_pad + p] = p < num_keys ? kf[p * row + h * D + e] : 0.f;
-                    vt[p * D + e] = p < num_keys ? vf[p * row + h * D + e] : 0.f;
+                    kt[e * keys_pad + p] = p < num_keys ? kv_f32(k, p * row + h * D + e, fp8) : 0.f;
+                    vt[p * D + e] = p < num_keys ? kv_f32(v, p * row + h * D + e, fp8) : 0.f;
                 }
         }
     }
@@ -120,25 +135,28 @@ INLINE void run(const shared_args *d, const int bf16) {
     }
 }
 
-/* Entry points, one per element type. q [num_tokens, num_kv_heads * group, head_dim]
- * (tokens q_token_stride elements apart); k, v [num_keys, num_kv_heads, head_dim],
- * contiguous; out [num_tokens, num_kv_heads, group, head_dim] in q's type and lse
+/* Entry points, one per element type and K/V type (that type, or E4M3 codes with v_scale).
+ * q [num_tokens, num_kv_heads * group, head_dim] (tokens q_token_stride elements apart);
+ * k, v [num_keys, num_kv_heads, head_dim], contiguous; out [num_tokens, num_kv_heads,
+ * group, head_dim] in q's type and lse
  * (float32) [num_tokens, num_kv_heads, group], contiguous; scratch:
  * shared_prefix_scratch_words() 32-bit words. Returns nonzero, touching nothing, for a
  * shape it does not handle (and, for bfloat16, without the dot-product instructions). */
-#define ENTRY(NAME, T, BF16)                                                                  \
-int NAME(const T *q, int64_t q_token_stride, const T *k, const T *v, int64_t num_tokens,       \
+#define ENTRY(NAME, T, CT, BF16, FP8)                                                         \
+int NAME(const T *q, int64_t q_token_stride, const CT *k, const CT *v, int64_t num_tokens,     \
          int64_t num_keys, int64_t num_kv_heads, int64_t group, int64_t head_dim, float scale, \
-         T *out, float *lse, uint32_t *scratch) {                                              \
+         T *out, float *lse, uint32_t *scratch, float v_scale) {                               \
     if ((BF16 && !HAVE_BF16_DOT) || head_dim % 16 || head_dim > DOT_MAX_HEAD_DIM                  \
             || head_dim < 16 || group < 1 || num_keys < 1)                                     \
         return 1;                                                                              \
     const int64_t keys_pad = (num_keys + 63) / 64 * 64;                                       \
-    prepare(k, v, scratch, num_keys, keys_pad, num_kv_heads, head_dim, BF16);                 \
+    prepare(k, v, scratch, num_keys, keys_pad, num_kv_heads, head_dim, BF16, FP8);            \
     const shared_args d = {q, q_token_stride, scratch, num_tokens, num_kv_heads, group,        \
-                           head_dim, num_keys, keys_pad, scale, out, lse};                     \
+                           head_dim, num_keys, keys_pad, scale, FP8 ? v_scale : 1.f, out, lse}; \
     run(&d, BF16);                                                                             \
     return 0;                                                                                  \
 }
-ENTRY(shared_prefix_f32, float, 0)
-ENTRY(shared_prefix_bf16, uint16_t, 1)
+ENTRY(shared_prefix_f32, float, float, 0, 0)
+ENTRY(shared_prefix_bf16, uint16_t, uint16_t, 1, 0)
+ENTRY(shared_prefix_f32_fp8, float, uint8_t, 0, 1)
+ENTRY(shared_prefix_bf16_fp8, uint16_t, uint8_t, 1, 1)

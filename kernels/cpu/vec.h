@@ -78,6 +78,76 @@ static inline f32x16 round_bf16(f32x16 v) {
     memcpy(&v, &r, sizeof v); return v;
 }
 
+/* FP8 KV caches hold E4M3 (torch.float8_e4m3fn) codes: 1 sign, 4 exponent (bias 7) and 3
+ * mantissa bits; 0x7f and 0xff are NaN, 448 the largest finite value. */
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+
+/* The float32 values of 16 E4M3 codes (one per lane, in the low byte), exact for every
+ * code: normals by moving the exponent and mantissa into place and rebiasing (+120), the
+ * subnormals (exponent 0) as m * 2^-9, NaN for 0x7f and 0xff. No float32 denormal is made
+ * on the way (those can cost a microcode assist per operation). */
+static inline f32x16 fp8_to_f32(u32x16 b) {
+    const u32x16 mag = b & 0x7fu;
+    const u32x16 normal = (mag << 20) + (120u << 23);
+    const f32x16 subf = __builtin_convertvector((i32x16)mag, f32x16) * (1.0f / 512);
+    u32x16 sub; memcpy(&sub, &subf, sizeof sub);
+    const u32x16 is_normal = (u32x16)(mag >= 8u), nan = (u32x16)(mag == 0x7fu);
+    const u32x16 bits = ((normal & is_normal) | (sub & ~is_normal) | (0x7fc00000u & nan))
+                        | (b & 0x80u) << 24;
+    f32x16 v; memcpy(&v, &bits, sizeof v); return v;
+}
+/* one E4M3 code's float32 value (fp8_to_f32 for a single code) */
+static inline float fp8_value(uint8_t b) {
+    const uint32_t mag = b & 0x7fu;
+    uint32_t bits;
+    if (mag >= 8u) {
+        bits = mag == 0x7fu ? 0x7fc00000u : (mag << 20) + (120u << 23);
+    } else {
+        const float sub = (float)mag * (1.0f / 512);
+        memcpy(&bits, &sub, sizeof bits);
+    }
+    bits |= (uint32_t)(b & 0x80u) << 24;
+    float v; memcpy(&v, &bits, sizeof v); return v;
+}
+/* ... as the bfloat16 that holds it exactly (every E4M3 value is a bfloat16 value) */
+static inline uint16_t fp8_bf16(uint8_t b) {
+    const float v = fp8_value(b);
+    uint32_t bits; memcpy(&bits, &v, sizeof bits);
+    return (uint16_t)(bits >> 16);
+}
+/* 16 E4M3 codes at p, widened */
+static inline f32x16 load_fp8(const uint8_t *p) {
+    u8x16 h; memcpy(&h, p, sizeof h);
+    return fp8_to_f32(__builtin_convertvector(h, u32x16));
+}
+
+/* v / scale as E4M3 codes (one per lane): clamped to [-448, 448] (NaN stays NaN), then
+ * rounded to nearest even, as torch's (x / scale).clamp(-448, 448).to(float8_e4m3fn).
+ * Normals round in the float32 bits (the rounding bias added below the 3 kept mantissa
+ * bits); values below 2^-6 are m * 2^-9 with m = |v| * 2^9 rounded to an integer by adding
+ * 2^23 (exact: the product is, and the sum's rounding is the float unit's). */
+static inline u32x16 f32_to_fp8(f32x16 v, float scale) {
+    v = v / scale;
+    const i32x16 hi = (i32x16)(v > 448.0f), lo = (i32x16)(v < -448.0f);
+    v = (f32x16)(((i32x16)v & ~(hi | lo)) | ((i32x16)((f32x16){0} + 448.0f) & hi)
+                 | ((i32x16)((f32x16){0} - 448.0f) & lo));
+    u32x16 u; memcpy(&u, &v, sizeof u);
+    const u32x16 a = u & 0x7fffffffu;
+    const u32x16 normal = ((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - 0x3c0u;
+    f32x16 af; memcpy(&af, &a, sizeof af);
+    const f32x16 t = af * 512.0f + 8388608.0f;
+    u32x16 sub; memcpy(&sub, &t, sizeof sub);
+    sub -= 0x4b000000u;
+    const u32x16 is_normal = (u32x16)(a >= 0x3c800000u), nan = (u32x16)(a > 0x7f800000u);
+    const u32x16 code = (((normal & is_normal) | (sub & ~is_normal)) & ~nan) | (0x7fu & nan);
+    return code | ((u >> 24) & 0x80u);
+}
+/* 16 values of v / scale as E4M3 at p */
+static inline void store_fp8(uint8_t *p, f32x16 v, float scale) {
+    const u8x16 h = __builtin_convertvector(f32_to_fp8(v, scale), u8x16);
+    memcpy(p, &h, sizeof h);
+}
+
 static inline float hsum(f32x16 v) {
     float s = 0.f;
     for (int i = 0; i < 16; i++) s += v[i];

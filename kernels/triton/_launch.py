@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from ..fp8 import FP8_DTYPE
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -15,15 +17,21 @@ def is_interpreted(kernel: object) -> bool:
     return type(kernel).__name__ == "InterpretedFunction"
 
 
-def check_inputs(kernel: object, head_dim: int, *tensors: torch.Tensor) -> None:
-    """Raise ValueError for a dtype, head size or device the kernels do not handle."""
+def check_inputs(kernel: object, head_dim: int, *tensors: torch.Tensor,
+                 caches: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Raise ValueError for a dtype, head size or device the kernels do not handle. The
+    caches (K and V) may also be FP8 (float8_e4m3fn), both alike."""
     if head_dim % 16 != 0:
         raise ValueError(f"head_dim={head_dim} is not supported by the Triton attention "
                          "kernels: it must be a multiple of 16")
-    for t in tensors:
-        if t.dtype not in SUPPORTED_DTYPES:
+    if caches[0].dtype != caches[1].dtype:
+        raise ValueError(f"the K and V caches differ in dtype: {caches[0].dtype} and "
+                         f"{caches[1].dtype}")
+    for t in (*tensors, *caches):
+        if t.dtype not in SUPPORTED_DTYPES and not (t.dtype == FP8_DTYPE and any(
+                t is c for c in caches)):
             raise ValueError(f"Triton attention kernels take float16, bfloat16 or float32 "
-                             f"tensors, got {t.dtype}")
+                             f"tensors (and float8_e4m3fn caches), got {t.dtype}")
         if t.device.type != "cuda" and not is_interpreted(kernel):
             raise ValueError("Triton kernels need CUDA tensors; to run them on CPU set "
                              "TRITON_INTERPRET=1 before batchinfer is imported")

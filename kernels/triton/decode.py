@@ -4,7 +4,9 @@ A program owns one (sequence, KV head) pair and serves all query heads of that K
 once (GQA), so every K/V tile is loaded once per group. The query heads are padded to 16
 rows so both products are tensor-core sized tl.dot calls. With split-KV (flash-decoding)
 the context is cut into num_splits ranges handled by separate programs, each writing an
-unnormalised partial result, and a second kernel merges them.
+unnormalised partial result, and a second kernel merges them. An FP8 cache (E4M3 codes,
+kernels/fp8.py) is read as its codes' values, k_scale folded into the scores' scale and
+v_scale applied to each program's result.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import fp8
 from ._launch import check_inputs, dot_settings, next_power_of_2
 from ._paged import load_kv_tile, online_softmax_step
 
@@ -31,11 +34,12 @@ def _paged_decode_kernel(
     part_max_ptr,      # [num_seqs, num_heads, num_splits] float32, contiguous (SPLIT)
     part_sum_ptr,      # [num_seqs, num_heads, num_splits] float32, contiguous (SPLIT)
     q_ptr,             # [num_seqs, num_heads, head_dim]
-    k_cache_ptr,       # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache_ptr,       # [num_blocks, block_size, num_kv_heads, head_dim]
+    k_cache_ptr,       # [num_blocks, block_size, num_kv_heads, head_dim] (FP8: uint8 codes)
+    v_cache_ptr,       # [num_blocks, block_size, num_kv_heads, head_dim] (FP8: uint8 codes)
     block_tables_ptr,  # [num_seqs, max_blocks] int32
     seq_lens_ptr,      # [num_seqs] int32
-    scale_log2,        # softmax scale * log2(e)
+    scale_log2,        # softmax scale * log2(e) (* k_scale: FP8)
+    v_scale,           # FP8: values are read times v_scale
     window,            # sliding window W (USE_WINDOW)
     num_splits,        # context ranges per sequence (SPLIT)
     stride_qs, stride_qh, stride_qd,
@@ -53,6 +57,7 @@ def _paged_decode_kernel(
     SPLIT: tl.constexpr,
     DOT_F32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -90,12 +95,14 @@ def _paged_decode_kernel(
         pos_ok = pos < end
         k, v = load_kv_tile(block_row, k_head, v_head, pos, pos_ok, d, d_ok, q,
                             stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-                            BLOCK_SIZE, DOT_F32)
+                            BLOCK_SIZE, DOT_F32, FP8)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(pos_ok[None, :], s, float("-inf"))
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
+    if FP8:
+        acc = acc * v_scale
     if SPLIT:
         part = (seq * (GROUP * tl.num_programs(1)) + heads) * num_splits + split
         tl.store(part_max_ptr + part, m_i, mask=row_ok)
@@ -167,7 +174,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            sliding_window: int | None = None, out: torch.Tensor | None = None,
                            max_seq_len: int | None = None, num_splits: int | None = None,
-                           block_n: int | None = None, scratch: dict | None = None) -> torch.Tensor:
+                           block_n: int | None = None, scratch: dict | None = None,
+                           k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
     query [num_seqs, num_heads, head_dim]; the query of sequence i sits at position
@@ -177,11 +185,17 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     tiles of block_n keys (default max(64, block_size)), looking up the block of every key,
     so tiles need not line up with blocks.
     `scratch` (e.g. the step's AttentionMetadata.cache) keeps the partial buffers across
-    layers. Returns `out` ([num_seqs, num_heads, head_dim], allocated when None).
+    layers. An FP8 cache's keys and values are read times k_scale and v_scale. Returns
+    `out` ([num_seqs, num_heads, head_dim], allocated when None).
     """
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
-    check_inputs(_paged_decode_kernel, head_dim, query, k_cache, v_cache)
+    check_inputs(_paged_decode_kernel, head_dim, query, caches=(k_cache, v_cache))
+    from_fp8 = fp8.is_fp8(k_cache)
+    if from_fp8:
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    else:
+        k_scale = v_scale = 1.0
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     if out is None:
@@ -217,12 +231,12 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         part_acc = part_max = part_sum = out
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         out, part_acc, part_max, part_sum, query, k_cache, v_cache, block_tables, seq_lens,
-        scale * math.log2(math.e), sliding_window or 0, num_splits,
+        scale * math.log2(math.e) * k_scale, v_scale, sliding_window or 0, num_splits,
         *query.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
         block_tables.stride(0),
         HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group, G_PAD=max(16, next_power_of_2(group)),
         BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, USE_WINDOW=sliding_window is not None,
-        SPLIT=split, DOT_F32=dot_f32, DOT_PRECISION=precision,
+        SPLIT=split, DOT_F32=dot_f32, DOT_PRECISION=precision, FP8=from_fp8,
         num_warps=4,
     )
     if split:

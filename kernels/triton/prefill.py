@@ -7,7 +7,9 @@ prefix came from the prefix cache are the same case, and one kernel serves them 
 
 Work is cut into tiles of BLOCK_Q query tokens of one sequence. A program owns one
 (tile, KV head) pair; its BLOCK_M = BLOCK_Q * GROUP rows are the (token, query head)
-pairs of that KV head, so each K/V tile is loaded once for the whole GQA group.
+pairs of that KV head, so each K/V tile is loaded once for the whole GQA group. An FP8
+cache (E4M3 codes, kernels/fp8.py) is read as its codes' values, k_scale folded into the
+scores' scale and v_scale applied to the result.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import fp8
 from ._launch import check_inputs, dot_settings, next_power_of_2
 from ._paged import load_kv_tile, online_softmax_step
 
@@ -27,14 +30,15 @@ from ._paged import load_kv_tile, online_softmax_step
 def _paged_prefill_kernel(
     out_ptr,              # [num_tokens, num_heads, head_dim]
     q_ptr,                # [num_tokens, num_heads, head_dim]
-    k_cache_ptr,          # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache_ptr,          # [num_blocks, block_size, num_kv_heads, head_dim]
+    k_cache_ptr,          # [num_blocks, block_size, num_kv_heads, head_dim] (FP8: uint8 codes)
+    v_cache_ptr,          # [num_blocks, block_size, num_kv_heads, head_dim] (FP8: uint8 codes)
     block_tables_ptr,     # [num_seqs, max_blocks] int32
     seq_lens_ptr,         # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
     tile_seq_ptr,         # [num_tiles] int32: sequence of each tile
     tile_q_start_ptr,     # [num_tiles] int32: first query token of the tile, within its sequence
-    scale_log2,           # softmax scale * log2(e)
+    scale_log2,           # softmax scale * log2(e) (* k_scale: FP8)
+    v_scale,              # FP8: values are read times v_scale
     window,               # sliding window W (USE_WINDOW)
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
@@ -51,6 +55,7 @@ def _paged_prefill_kernel(
     USE_WINDOW: tl.constexpr,
     DOT_F32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -91,7 +96,7 @@ def _paged_prefill_kernel(
         pos_ok = pos < hi
         k, v = load_kv_tile(block_row, k_head, v_head, pos, pos_ok, d, d_ok, q,
                             stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-                            BLOCK_SIZE, DOT_F32)
+                            BLOCK_SIZE, DOT_F32, FP8)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
@@ -101,6 +106,8 @@ def _paged_prefill_kernel(
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if FP8:
+        out = out * v_scale
     tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh
              + d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & d_ok[None, :])
@@ -133,7 +140,8 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
                             sliding_window: int | None = None, out: torch.Tensor | None = None,
                             first_seq: int = 0, query_start_loc_cpu: list[int] | None = None,
                             block_m: int | None = None, block_n: int | None = None,
-                            scratch: dict | None = None) -> torch.Tensor:
+                            scratch: dict | None = None, k_scale: float = 1.0,
+                            v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention for the query tokens of sequences [first_seq, num_seqs).
 
     query/out are [num_tokens, num_heads, head_dim] for the whole batch (rows of earlier
@@ -141,10 +149,16 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     BLOCK_M // group query tokens of a sequence, so a long chunk spreads over many
     programs and a one-token sequence costs one. The tile plan is built on the host from
     query_start_loc_cpu (read from query_start_loc when not given) and kept in `scratch`.
+    An FP8 cache's keys and values are read times k_scale and v_scale.
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
-    check_inputs(_paged_prefill_kernel, head_dim, query, k_cache, v_cache)
+    check_inputs(_paged_prefill_kernel, head_dim, query, caches=(k_cache, v_cache))
+    from_fp8 = fp8.is_fp8(k_cache)
+    if from_fp8:
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    else:
+        k_scale = v_scale = 1.0
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     group = num_heads // num_kv_heads
@@ -169,12 +183,13 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     dot_f32, precision = dot_settings(_paged_prefill_kernel, query.dtype)
     _paged_prefill_kernel[(tile_seq.numel(), num_kv_heads)](
         out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        tile_seq, tile_q_start, scale * math.log2(math.e), sliding_window or 0,
+        tile_seq, tile_q_start, scale * math.log2(math.e) * k_scale, v_scale,
+        sliding_window or 0,
         *query.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
         block_tables.stride(0),
         HEAD_DIM=head_dim, D_PAD=next_power_of_2(head_dim), GROUP=group, BLOCK_Q=block_q,
         BLOCK_M=block_m, BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n,
         USE_WINDOW=sliding_window is not None, DOT_F32=dot_f32, DOT_PRECISION=precision,
-        num_warps=4, num_stages=2,
+        FP8=from_fp8, num_warps=4, num_stages=2,
     )
     return out

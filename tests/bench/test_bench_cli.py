@@ -326,6 +326,23 @@ def test_bad_flags_are_usage_errors(cache_dir, args, message):
     assert message in result.output
 
 
+def test_an_fp8_kv_cache_holds_twice_the_blocks_in_the_same_memory(cache_dir):
+    """--kv-cache-dtype reaches the engine; the summary records it and the pool's blocks."""
+    summaries = {}
+    for kv in ("auto", "fp8"):
+        result = CliRunner().invoke(bench, [
+            "--model", "tiny", "--cache-dir", str(cache_dir), "--device", "cpu",
+            "--dtype", "bfloat16", "--kv-cache-memory", "2MiB", "--kv-cache-dtype", kv,
+            "--num-prompts", "2", "--input-len", "8", "--output-len", "2"])
+        assert result.exit_code == 0, result.output
+        summaries[kv] = json.loads(result.stdout[result.stdout.index("\n{\n") + 1:])
+    auto, fp8 = summaries["auto"], summaries["fp8"]
+    assert auto["kv_cache_dtype"] == "bfloat16" and fp8["kv_cache_dtype"] == "float8_e4m3fn"
+    assert auto["engine"]["kv_cache_dtype"] == "auto" and fp8["engine"]["kv_cache_dtype"] == "fp8"
+    assert fp8["num_kv_blocks"] == 2 * auto["num_kv_blocks"] > 0
+    assert fp8["output_tokens"] == 4
+
+
 def test_kernels_subcommand_is_wired():
     result = CliRunner().invoke(bench, ["kernels", "--help"])
     assert result.exit_code == 0, result.output

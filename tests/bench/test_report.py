@@ -62,6 +62,20 @@ def test_bandwidth_and_mfu_against_a_peak():
     assert any(line.startswith("Prefill: ") and "MFU" in line for line in lines)
 
 
+def test_an_fp8_cache_is_recorded_and_read_at_a_byte_an_element():
+    peak = DevicePeak("test", flops_per_s=1e6, bytes_per_s=1e4)
+    s = engine_summary(make_run(), block_size=16, num_kv_blocks=8, shape=SHAPE,
+                       weight_bytes=WeightBytes(1000), dtype=torch.bfloat16, peak=peak,
+                       kv_cache_dtype=torch.float8_e4m3fn)
+    kv = SHAPE.kv_bytes_per_token(1)
+    read = (1000 + kv * (40 + 2)) + (1000 + kv * (42 + 2))
+    assert s["decode_bandwidth_gb_per_s"] == pytest.approx(read / 0.5 / 1e9)
+    assert s["kv_cache_dtype"] == "float8_e4m3fn" and s["num_kv_blocks"] == 8
+    plain = engine_summary(make_run(), block_size=16, num_kv_blocks=8, shape=SHAPE,
+                           weight_bytes=WeightBytes(1000), dtype=torch.bfloat16, peak=None)
+    assert plain["kv_cache_dtype"] == "bfloat16"
+
+
 def test_a_failed_baseline_is_reported_not_raised():
     s = engine_summary(make_run(), block_size=16, num_kv_blocks=8, shape=SHAPE,
                        weight_bytes=WeightBytes(1000), dtype=torch.float32, peak=None)

@@ -79,13 +79,15 @@ def test_padded_static_forward_matches_plain_steps(fixture, request, many_splits
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU form of the check")
-def test_one_token_prompt_chunks_take_the_static_path(llama_dir):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_one_token_prompt_chunks_take_the_static_path(llama_dir, kv_cache_dtype):
     """With a 1-token budget prompts advance a token a step: every step is decode-shaped,
-    and the steps inside a prompt sample nothing."""
+    and the steps inside a prompt sample nothing. (With an FP8 cache, the padding rows
+    store nothing either.)"""
     prompts = _prompts(3, seed=5)
     prompts = [p[:9] for p in prompts]
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    kwargs = dict(max_num_seqs=4, max_num_batched_tokens=1)
+    kwargs = dict(max_num_seqs=4, max_num_batched_tokens=1, kv_cache_dtype=kv_cache_dtype)
     plain = _cpu_llm(llama_dir, static=False, **kwargs)
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     llm = _cpu_llm(llama_dir, static=True, **kwargs)
@@ -95,10 +97,13 @@ def test_one_token_prompt_chunks_take_the_static_path(llama_dir):
 
 
 @cuda_only
-@pytest.mark.parametrize("fixture", ["llama_dir", "mistral_dir"])
-def test_graphs_match_eager(fixture, request):
+@pytest.mark.parametrize("fixture, kv_cache_dtype", [("llama_dir", "auto"),
+                                                     ("mistral_dir", "auto"),
+                                                     ("llama_dir", "fp8")])
+def test_graphs_match_eager(fixture, kv_cache_dtype, request):
     model_dir = str(request.getfixturevalue(fixture))
-    kwargs = dict(model=model_dir, dtype="float32", max_num_seqs=20, max_model_len=512)
+    kwargs = dict(model=model_dir, dtype="float32", max_num_seqs=20, max_model_len=512,
+                  kv_cache_dtype=kv_cache_dtype)
     eager = LLM(enforce_eager=True, **kwargs)
     assert eager.llm_engine.model_runner.graphs is None
     graphs = LLM(**kwargs)

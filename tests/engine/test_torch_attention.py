@@ -7,7 +7,7 @@ import torch
 
 from batchinfer.attention import AttentionMetadata, TorchAttention
 from batchinfer.kernels import cpu
-from reference import ref_decode_attention, ref_prefill_attention
+from reference import read_fp8, ref_decode_attention, ref_prefill_attention, to_fp8
 
 BLOCK = 16
 KV_HEADS, GROUP, HEAD_DIM = 2, 4, 32
@@ -107,6 +107,35 @@ def test_matches_reference(window, dtype, tol, use_cpu_kernel):
         assert plan.shared_slots.numel() == 8 * BLOCK
         skips = [s[0] < 8 or s[1] - s[2] < 8 * BLOCK for s in seqs]
         assert plan.token_not_member.tolist() == [f for s, f in zip(seqs, skips) for _ in range(s[2])]
+
+
+@pytest.mark.parametrize("use_cpu_kernel", [True, False])
+@pytest.mark.parametrize("window", [None, 48])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+def test_fp8_cache_matches_reference(window, dtype, tol, use_cpu_kernel):
+    """An FP8 cache, on every path (the C kernels, gathered groups and flash, the cascade's
+    shared part): the new tokens' K/V are written as E4M3 of k / k_scale and v / v_scale,
+    and the keys are read back times their scales."""
+    k_scale, v_scale = 0.5, 3.0
+    seqs = sorted(MIXED, key=lambda s: s[2] != 1)
+    query, key, value, k_cache, v_cache, meta = paged_batch(seqs, dtype)
+    k_cache, v_cache = to_fp8(k_cache, k_scale), to_fp8(v_cache, v_scale)
+    slots = meta.slot_mapping
+    for cache in (k_cache, v_cache):  # the new tokens' slots hold something else until written
+        cache.view(torch.uint8).view(-1, KV_HEADS, HEAD_DIM)[slots] = 0x7f
+    backend = TorchAttention(use_cpu_kernel=use_cpu_kernel)
+    out = backend.forward(query, key * 1.5, value, k_cache, v_cache, meta, 0.2, window,
+                          k_scale, v_scale)
+    for cache, new, scale in ((k_cache, key * 1.5, k_scale), (v_cache, value, v_scale)):
+        written = cache.view(torch.uint8).view(-1, KV_HEADS, HEAD_DIM)[slots]
+        assert torch.equal(written, to_fp8(new, scale).view(torch.uint8))
+    expected = reference(query, read_fp8(k_cache, k_scale), read_fp8(v_cache, v_scale), meta,
+                         window)
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+    plan = step_plan(meta)
+    kernel_used = use_cpu_kernel and cpu.decode.available()
+    assert (plan.decode_bounds is not None) == kernel_used
+    assert (plan.shared_slots is not None) == (window is None)
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])

@@ -195,6 +195,7 @@ def assert_fatal(result, *words: str) -> None:
     (["--kv-cache-memory", "4XB"], ["--kv-cache-memory"]),
     (["--reorder-window", "-1"], ["--reorder-window"]),
     (["--attention-backend", "fast"], ["--attention-backend"]),
+    (["--kv-cache-dtype", "fp8_e5m2"], ["--kv-cache-dtype", "'auto', 'fp8', 'fp8_e4m3'"]),
     (["--max-tokens", "many"], ["--max-tokens"]),
     (["--prompt-column", "text", "--messages-column", "m"], ["--prompt-column"]),
     (["--output-format", "openai"], ["--output-format openai"]),

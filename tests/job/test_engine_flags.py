@@ -14,6 +14,7 @@ class Loaded(Exception):
     ([], {}),  # unset options are left to the engine's defaults
     (["--enforce-eager", "--attention-backend", "torch"],
      {"enforce_eager": True, "attention_backend": "torch"}),
+    (["--kv-cache-dtype", "fp8"], {"kv_cache_dtype": "fp8"}),
 ])
 def test_engine_flags_reach_the_engine(tmp_path, run_cli, monkeypatch, flags, expected):
     seen = {}
@@ -27,7 +28,8 @@ def test_engine_flags_reach_the_engine(tmp_path, run_cli, monkeypatch, flags, ex
     path.write_text(json.dumps({"prompt": "hi"}) + "\n")
     with pytest.raises(Loaded):  # the job stops where the engine would load
         run_cli(path, "-o", tmp_path / "out", *flags)
-    assert {k: seen[k] for k in ("enforce_eager", "attention_backend") if k in seen} == expected
+    assert {k: seen[k] for k in ("enforce_eager", "attention_backend", "kv_cache_dtype")
+            if k in seen} == expected
 
 
 def test_quantization_flag(tmp_path, run_cli, llama_dir):

@@ -104,3 +104,24 @@ def test_random_weights_do_not_continue_a_job_of_real_ones(tmp_path):
     assert run_fake(options(tmp_path, limit=2)) == 0
     with pytest.raises(JobError, match="load_format differ"):
         run_fake(options(tmp_path, load_format="dummy"))
+
+
+def test_an_fp8_kv_cache_does_not_continue_a_job_of_the_models_dtype(tmp_path):
+    """--kv-cache-dtype changes what attention reads: a job is continued only under the same
+    cache (fp8 and fp8_e4m3 name one), and a job recorded before the setting existed is
+    taken as the model dtype's."""
+    assert run_fake(options(tmp_path, limit=2)) == 0
+    with pytest.raises(JobError, match="kv_cache_dtype differ"):
+        run_fake(options(tmp_path, kv_cache_dtype="fp8"))
+    assert run_fake(options(tmp_path, limit=3, kv_cache_dtype="auto")) == 0
+    fp8 = tmp_path / "fp8"
+    assert run_fake(options(fp8, limit=2, kv_cache_dtype="fp8")) == 0
+    assert run_fake(options(fp8, limit=3, kv_cache_dtype="fp8_e4m3")) == 0
+    with pytest.raises(JobError, match="kv_cache_dtype differ"):
+        run_fake(options(fp8))
+    manifest_path = tmp_path / "out" / "__batchinfer__" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    del manifest["job"]["kv_cache_dtype"]
+    manifest["fingerprint"] = "recorded-before-the-setting"
+    manifest_path.write_text(json.dumps(manifest))
+    assert run_fake(options(tmp_path)) == 0

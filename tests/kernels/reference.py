@@ -1,15 +1,34 @@
 """Plain PyTorch references for the attention kernels: gather each sequence's context from
 its blocks, then ordinary masked softmax attention in float32, one sequence at a time.
-Slow and simple on purpose; tests compare the kernels against these."""
+Slow and simple on purpose; tests compare the kernels against these. An FP8 cache is
+compared through read_fp8 (the attention references take the values it holds)."""
 from __future__ import annotations
 
 import torch
 
 
+FP8 = torch.float8_e4m3fn
+
+
+def to_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """What an FP8 KV cache stores for x: E4M3 of x / scale (float32) clamped to +-448,
+    rounded to nearest even (NaN stays NaN: poisoned slots stay poisoned)."""
+    return (x.float() / scale).clamp(-448.0, 448.0).to(FP8)
+
+
+def read_fp8(cache: torch.Tensor, scale: float) -> torch.Tensor:
+    """What a kernel reads from an FP8 cache: float32(stored) * scale."""
+    return cache.float() * scale
+
+
 def ref_write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Token t goes to block slot // block_size, row slot % block_size; slot < 0 is skipped."""
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                 v_scale: float = 1.0) -> None:
+    """Token t goes to block slot // block_size, row slot % block_size; slot < 0 is skipped.
+    An FP8 cache stores to_fp8(key, k_scale) and to_fp8(value, v_scale)."""
     block_size = k_cache.shape[1]
+    if k_cache.dtype == FP8:
+        key, value = to_fp8(key, k_scale), to_fp8(value, v_scale)
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
             continue

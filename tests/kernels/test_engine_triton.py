@@ -16,10 +16,10 @@ def model_dir(request):
     return request.getfixturevalue(f"{request.param}_dir")
 
 
-def _generate(model_dir, backend: str):
+def _generate(model_dir, backend: str, **engine_args):
     llm = LLM(model=str(model_dir), attention_backend=backend, dtype="float32",
               block_size=8, num_kv_blocks=64, max_num_batched_tokens=24, max_num_seqs=4,
-              enable_prefix_caching=True)
+              enable_prefix_caching=True, **engine_args)
     rng = random.Random(0)
     prefix = [rng.randrange(3, 900) for _ in range(44)]
     first = prefix + [rng.randrange(3, 900) for _ in range(29)]
@@ -41,6 +41,20 @@ def test_greedy_generation_matches_torch_backend(model_dir):
     assert triton_cached == torch_cached
     assert triton_cached[1] >= 40  # prefix-cache hit: the shared prefix's full blocks
     assert triton_stats["prefix_cache_hit_tokens"] == torch_stats["prefix_cache_hit_tokens"] > 0
+
+
+def test_fp8_cache_matches_torch_backend(llama_dir, monkeypatch):
+    """kv_cache_dtype="fp8" through the Triton kernels, their KV write included (the CPU
+    rope kernel, which writes the cache itself when it applies, is kept out of both runs),
+    gives the torch path's tokens."""
+    from batchinfer.kernels import cpu
+    monkeypatch.setattr(cpu.rope, "supports", lambda qk, cache_dtype=None: False)
+    torch_ids, torch_cached, torch_stats = _generate(llama_dir, "torch", kv_cache_dtype="fp8")
+    triton_ids, triton_cached, triton_stats = _generate(llama_dir, "triton",
+                                                        kv_cache_dtype="fp8")
+    assert triton_stats["kv_cache_dtype"] == "float8_e4m3fn"
+    assert triton_ids == torch_ids and triton_cached == torch_cached
+    assert triton_cached[1] >= 40
 
 
 @pytest.mark.parametrize("model", ["mixtral", "qwen3_moe"])
