@@ -39,7 +39,8 @@ def take_kv_scales(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
         if match is None:
             yield name, tensor
             continue
-        if not fp8_cache:
+        stage_name = getattr(model, "stage_name", None)  # (CausalLM's, by pipeline stage)
+        if not fp8_cache or (stage_name is not None and stage_name(name) is None):
             continue
         value = _scalar(name, tensor)
         try:

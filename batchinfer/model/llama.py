@@ -303,7 +303,7 @@ class CausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
-            name = self._stage_name(name)
+            name = self.stage_name(name)
             if name is None:  # another pipeline stage's
                 continue
             name = mixtral_name(name)
@@ -361,7 +361,7 @@ class CausalLM(nn.Module):
         for layer in self.model.stage_layers:
             layer.self_attn.reorder_rotary_dims()
 
-    def _stage_name(self, name: str) -> str | None:
+    def stage_name(self, name: str) -> str | None:
         """A checkpoint tensor's name here, or None where another pipeline stage holds it:
         another stage's layers, the embedding off the first stage (the last stage's LM
         head reads a tied table), the final norm and LM head off the last."""

@@ -61,6 +61,7 @@ def test_micro_batches_are_contiguous_and_balanced():
     ("phi4_mini", dict(pipeline_parallel_size=2, tensor_parallel_size=2)),  # 4 processes
     ("llama", dict(pipeline_parallel_size=2, num_kv_blocks=6, max_num_seqs=4)),  # preemption
     ("mistral", dict(pipeline_parallel_size=2, max_num_batched_tokens=24)),  # chunked prefill
+    ("qwen3", dict(pipeline_parallel_size=2, kv_cache_dtype="fp8", quantization="fp8")),
 ])
 def test_stages_match_one_process(request, model, kwargs):
     path = str(request.getfixturevalue(f"{model}_dir"))
