@@ -61,9 +61,9 @@ class RunnerArgs:
 
 
 def check_divisible(config: ModelConfig, size: int) -> None:
-    """A clear error before any process starts when the model cannot be split size ways."""
+    """A clear error before any process starts when the model cannot be split size ways.
+    KV heads may be fewer than the ranks: each is then replicated on size // heads ranks."""
     sizes = {"num_attention_heads": config.num_attention_heads,
-             "num_key_value_heads": config.num_key_value_heads,
              "intermediate_size": config.intermediate_size}
     if config.moe is not None:
         sizes["moe_intermediate_size"] = config.moe.intermediate_size
@@ -71,6 +71,11 @@ def check_divisible(config: ModelConfig, size: int) -> None:
         if n % size:
             raise ValueError(f"tensor_parallel_size {size} does not divide the model's {name} "
                              f"({n}); use a divisor of it")
+    kv = config.num_key_value_heads
+    if kv % size and size % kv:
+        raise ValueError(f"tensor_parallel_size {size} neither divides nor is a multiple of "
+                         f"the model's num_key_value_heads ({kv}); use a divisor or a "
+                         "multiple of it")
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
