@@ -9,8 +9,11 @@ next plan as long as rank 0 is idle (a collective would time out), and a pipe cl
 either end dies. Every rank samples from the same all-gathered logits with identically
 seeded generators, so each keeps its own copy of every request's tokens unsent.
 
-Process groups: NCCL on CUDA (rank r on device index + r), gloo on CPU. CUDA graphs are
-not captured across ranks: tensor-parallel decode steps run eagerly.
+Process groups: NCCL on CUDA (rank r on device index + r), gloo on CPU. On CUDA every rank
+captures its decode steps in CUDA graphs, as one process does (batchinfer.engine.cuda_graphs):
+the same sizes in the same order, after a warm-up all-reduce creates NCCL's communicator,
+so the all-reduces inside the graphs pair up across ranks; enforce_eager keeps every rank
+eager.
 """
 from __future__ import annotations
 

@@ -32,6 +32,15 @@ class TensorParallel:
         return int(t.item())
 
     @classmethod
+    def warm_up(cls, device: torch.device) -> None:
+        """One all-reduce on the group (every rank calls it): NCCL creates its communicator
+        on the first collective, which must not happen inside a CUDA graph's capture."""
+        if cls.size > 1:
+            cls.all_reduce(torch.zeros(1, device=device))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+    @classmethod
     def all_reduce(cls, x: torch.Tensor) -> torch.Tensor:
         if cls.size > 1:
             dist.all_reduce(x, group=cls.group)
