@@ -26,7 +26,7 @@ from batchinfer.random_checkpoint import SHAPES, build_random_checkpoint
                r"num_key_value_heads \(4\); use a divisor or a multiple of it"),
     (12, 4, 8, r"tensor_parallel_size 8 does not divide the model's num_attention_heads "
                r"\(12\); use a divisor of it"),
-])
+], ids=["kv-heads", "query-heads"])
 def test_a_split_the_heads_do_not_allow_is_refused_before_starting(tmp_path, monkeypatch, heads,
                                                                    kv_heads, size, message):
     shape = {**SHAPES["test-llama"], "hidden_size": 96, "num_attention_heads": heads,
