@@ -16,10 +16,16 @@ from typing import Any
 
 import torch
 
-from batchinfer.random_checkpoint import build_random_checkpoint, default_corpus
+from batchinfer.random_checkpoint import SHAPES, build_random_checkpoint, default_corpus
+
+
+def _one_kv_head(shape: str) -> dict[str, Any]:
+    """A test shape with a single KV head (more ranks than KV heads replicate it)."""
+    return {**SHAPES[shape], "num_key_value_heads": 1}
+
 
 # Fixture name -> build_random_checkpoint arguments. The llama variants share shape and
-# seed, so they hold identical weights and must give identical outputs.
+# seed, so they hold identical weights and must give identical outputs (not the kv1 ones).
 CHECKPOINTS: dict[str, dict[str, Any]] = {
     "llama": dict(shape="test-llama"),
     "mistral": dict(shape="test-mistral"),
@@ -32,6 +38,9 @@ CHECKPOINTS: dict[str, dict[str, Any]] = {
     "qwen3_moe": dict(shape="test-qwen3-moe"),
     "llama_legacy_rope": dict(shape="test-llama", rope_style="legacy"),
     "llama_sharded": dict(shape="test-llama", max_shard_size="200KB"),
+    "llama_kv1": dict(shape=_one_kv_head("test-llama")),
+    "qwen2_kv1": dict(shape=_one_kv_head("test-qwen2")),
+    "phi4_mini_kv1": dict(shape=_one_kv_head("test-phi4-mini")),
 }
 
 # Seconds each checkpoint took to build in this session, for the terminal summary.

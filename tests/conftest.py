@@ -109,6 +109,21 @@ def llama_sharded_dir(checkpoint_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def llama_kv1_dir(checkpoint_root: Path) -> Path:
+    return checkpoints.build_checkpoint("llama_kv1", checkpoint_root)
+
+
+@pytest.fixture(scope="session")
+def qwen2_kv1_dir(checkpoint_root: Path) -> Path:
+    return checkpoints.build_checkpoint("qwen2_kv1", checkpoint_root)
+
+
+@pytest.fixture(scope="session")
+def phi4_mini_kv1_dir(checkpoint_root: Path) -> Path:
+    return checkpoints.build_checkpoint("phi4_mini_kv1", checkpoint_root)
+
+
+@pytest.fixture(scope="session")
 def demo_dir(batchinfer_cache: Path) -> Path:
     from batchinfer.demo import demo_model_path
 

@@ -5,7 +5,6 @@ engine overhead with the model stubbed out (--model-stub), `bench kernels` and
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import click

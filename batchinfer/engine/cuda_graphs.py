@@ -10,6 +10,11 @@ batch are padding that writes no KV (slot -1) and attends to nothing (context le
 The graphs are captured with the longest possible context (max_model_len) standing in for
 the step's, so the decode kernel's split-KV count is fixed per size: splits past a
 sequence's end find no keys and contribute nothing.
+
+Under tensor parallelism every rank captures its own graphs, holding the forward pass's
+NCCL all-reduces. The ranks capture the same sizes in the same order (the sizes come from
+the shared config, the block table's width from the KV block count they agreed on), and
+execute the same plans, so each replay meets the same replay on every other rank.
 """
 from __future__ import annotations
 
@@ -29,6 +34,15 @@ def capture_sizes(max_num_seqs: int, limit: int = MAX_CAPTURE_SIZE) -> list[int]
     top = min(max_num_seqs, limit)
     sizes = [s for s in (1, 2, 4) if s < top] + list(range(8, top, 8))
     return sizes + [top]
+
+
+def captures_decode_graphs(device: torch.device, enforce_eager: bool, backend: str,
+                           graph_safe: bool) -> bool:
+    """Whether decode steps replay CUDA graphs: on CUDA with the Triton attention backend,
+    which reads all it needs from device tensors (the torch backend plans on the host each
+    step), for a model whose forward pass can be captured, unless enforce_eager. Tensor
+    parallelism does not change it."""
+    return device.type == "cuda" and not enforce_eager and backend == "triton" and graph_safe
 
 
 class DecodeGraphs:

@@ -12,7 +12,7 @@ import torch
 
 from batchinfer.attention import AttentionMetadata, get_attention_backend
 from batchinfer.config import EngineConfig
-from batchinfer.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from batchinfer.engine.cuda_graphs import DecodeGraphs, capture_sizes, captures_decode_graphs
 from batchinfer.engine.host_memory import KVPagePopulator, keep_freed_memory
 from batchinfer.engine.sampler import Sampler, SamplingBatch, logprobs
 from batchinfer.engine.scheduler import SchedulerOutput
@@ -118,13 +118,11 @@ class ModelRunner:
         self.scoring: set[str] = set()  # the requests asking prompt logprobs
         gen = torch.Generator(device=device).manual_seed(config.seed)
         self.sampler = Sampler(gen)
-        # decode steps replay CUDA graphs; the Triton backend reads all it needs from device
-        # tensors (the torch backend plans on the host each step)
         self.graphs: DecodeGraphs | None = None
         self.num_graph_steps = 0
-        if (device.type == "cuda" and not config.enforce_eager and self.backend.name == "triton"
-                and TensorParallel.size == 1 and PipelineParallel.size == 1
-                and self.model.graph_safe):
+        if PipelineParallel.size == 1 and captures_decode_graphs(
+                device, config.enforce_eager, self.backend.name, self.model.graph_safe):
+            TensorParallel.warm_up(device)  # NCCL's communicator exists before capture
             self.graphs = self.build_decode_graphs()
 
     def build_decode_graphs(self, capture: bool = True) -> DecodeGraphs:

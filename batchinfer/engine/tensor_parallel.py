@@ -11,8 +11,11 @@ next plan as long as rank 0 is idle (a collective would time out), and a pipe cl
 either end dies. Every rank samples from the same all-gathered logits with identically
 seeded generators, so each keeps its own copy of every request's tokens unsent.
 
-Process groups: NCCL on CUDA (rank r on device index + r), gloo on CPU. CUDA graphs are
-not captured across ranks: tensor-parallel decode steps run eagerly.
+Process groups: NCCL on CUDA (rank r on device index + r), gloo on CPU. On CUDA every rank
+captures its decode steps in CUDA graphs, as one process does (batchinfer.engine.cuda_graphs):
+the same sizes in the same order, after a warm-up all-reduce creates NCCL's communicator,
+so the all-reduces inside the graphs pair up across ranks; enforce_eager keeps every rank
+eager.
 """
 from __future__ import annotations
 
@@ -66,9 +69,9 @@ class RunnerArgs:
 
 
 def check_divisible(config: ModelConfig, size: int) -> None:
-    """A clear error before any process starts when the model cannot be split size ways."""
+    """A clear error before any process starts when the model cannot be split size ways.
+    KV heads may be fewer than the ranks: each is then replicated on size // heads ranks."""
     sizes = {"num_attention_heads": config.num_attention_heads,
-             "num_key_value_heads": config.num_key_value_heads,
              "intermediate_size": config.intermediate_size}
     if config.moe is not None:
         sizes["moe_intermediate_size"] = config.moe.intermediate_size
@@ -76,6 +79,11 @@ def check_divisible(config: ModelConfig, size: int) -> None:
         if n % size:
             raise ValueError(f"tensor_parallel_size {size} does not divide the model's {name} "
                              f"({n}); use a divisor of it")
+    kv = config.num_key_value_heads
+    if kv % size and size % kv:
+        raise ValueError(f"tensor_parallel_size {size} neither divides nor is a multiple of "
+                         f"the model's num_key_value_heads ({kv}); use a divisor or a "
+                         "multiple of it")
 
 
 def rank_device(device: torch.device, local_rank: int) -> torch.device:

@@ -20,9 +20,10 @@ from batchinfer.model.config import LayerConfig, ModelConfig
 from batchinfer.model.quantization import LinearQuant
 from batchinfer.model.moe import EXPERT_TENSOR, SparseMoE, mixtral_name, moe_block
 from batchinfer.model.parallel import (ColumnParallelLinear, ParallelLMHead, PipelineParallel,
-                                       QKVParallelLinear, RowParallelLinear, TensorParallel,
+                                       QKVParallelLinear, RowParallelLinear,
                                        VocabParallelEmbedding, stage_layers)
 from batchinfer.model.rope import RotaryEmbedding, partial_rotary_order, rotary_dim
+from batchinfer.model.weights import CheckpointTensor
 
 
 class RMSNorm(nn.Module):
@@ -65,15 +66,14 @@ def linear_quant(config: ModelConfig, prefix: str, parts: tuple[str, ...]) -> Li
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: LayerConfig, backend, prefix: str):
         super().__init__()
-        tp = TensorParallel.size
         self.head_dim = config.head_dim
-        self.num_heads = config.num_attention_heads // tp
-        self.num_kv_heads = config.num_key_value_heads // tp
         self.scale = config.attention_scale
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim,
                                           config.num_attention_heads, config.num_key_value_heads,
                                           config.qkv_bias,
                                           linear_quant(config, prefix, _stored_parts(config, "qkv_proj")))
+        # this rank's (a KV head may be replicated on several ranks)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim,
                                         config.hidden_size, bias=config.o_proj_bias,
                                         quant=linear_quant(config, prefix, ("o_proj",)))
@@ -291,8 +291,9 @@ class CausalLM(nn.Module):
         logits = self.lm_head(hidden)
         return logits.float() if float32 else logits
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (HF names) into this rank's parameters."""
+    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
+        """Copy checkpoint tensors (HF names) into this rank's parameters, reading only the
+        parts of each that this rank holds."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -336,16 +337,16 @@ class CausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
             param = params[name]
             owner = self.get_submodule(owner_name)
-            value = tensor if quant else tensor.to(param.dtype)  # FP8 layers take it as stored
+            # the owner reads its part into the parameter's dtype (FP8 layers' as stored)
             try:
                 if shard_id is None and isinstance(owner, ColumnParallelLinear) \
                         and len(owner.output_sizes) > 1:
                     # stored fused (Phi-3's qkv_proj and gate_up_proj): each part split apart
-                    owner.load_fused(param, value)
+                    owner.load_fused(param, tensor)
                 elif hasattr(owner, "load_shard"):
-                    owner.load_shard(param, value, shard_id or 0)
+                    owner.load_shard(param, tensor, shard_id or 0)
                 else:
-                    param.data.copy_(tensor)
+                    param.data.copy_(tensor.read())
             except ValueError as e:
                 raise ValueError(f"checkpoint tensor {name!r} {e}") from None
             loaded.add(name)

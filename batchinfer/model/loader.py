@@ -15,6 +15,7 @@ from batchinfer.model import cpu_linear, fp8
 from batchinfer.model.config import ModelConfig
 from batchinfer.model.kv_scales import take_kv_scales
 from batchinfer.model.llama import CausalLM, GemmaRMSNorm
+from batchinfer.model.weights import CheckpointTensor, file_tensors
 
 
 def resolve_model_path(model: str) -> Path:
@@ -72,8 +73,8 @@ _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tow
                     "model.multi_modal_projector.")
 
 
-def language_model_weights(weights: Iterator[tuple[str, torch.Tensor]]
-                           ) -> Iterator[tuple[str, torch.Tensor]]:
+def language_model_weights(weights: Iterator[tuple[str, CheckpointTensor]]
+                           ) -> Iterator[tuple[str, CheckpointTensor]]:
     """A checkpoint's tensors under the text decoder's names; vision tensors dropped."""
     for name, tensor in weights:
         if name.startswith(_VISION_PREFIXES):
@@ -85,23 +86,23 @@ def language_model_weights(weights: Iterator[tuple[str, torch.Tensor]]
         yield name, tensor
 
 
-def iter_weights(path: Path, allow_pickle: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    """Tensors of a (possibly sharded) safetensors checkpoint; pickle only when allowed."""
+def iter_weights(path: Path, allow_pickle: bool) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Tensors of a (possibly sharded) safetensors checkpoint, each read when and as far as
+    the model asks (batchinfer.model.weights); pickle only when allowed."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     else:
         files = sorted(p.name for p in path.glob("*.safetensors"))
     if files:
-        from safetensors import SafetensorError, safe_open
+        from safetensors import SafetensorError
         for name in files:
             try:
-                with safe_open(str(path / name), framework="pt") as f:
-                    for key in f.keys():
-                        yield key, f.get_tensor(key)
+                tensors = file_tensors(path / name)
             except (SafetensorError, OSError) as e:
                 raise ValueError(f"cannot read the weights file {path / name} ({e}); it is "
                                  "damaged or incomplete: copy or download it again") from None
+            yield from tensors
         return
     pickles = sorted(path.glob("*.bin")) + sorted(path.glob("*.pt"))
     if not pickles:
@@ -112,7 +113,8 @@ def iter_weights(path: Path, allow_pickle: bool) -> Iterator[tuple[str, torch.Te
                          "True), or convert them to safetensors")
     for file in pickles:
         state = torch.load(file, map_location="cpu", weights_only=True)
-        yield from state.items()
+        for key, tensor in state.items():
+            yield key, CheckpointTensor.in_memory(tensor)
 
 
 def build_model(config: ModelConfig, backend, dtype: torch.dtype,

@@ -29,6 +29,7 @@ from batchinfer.model import cpu_linear, fp8
 from batchinfer.model.config import ModelConfig
 from batchinfer.model.parallel import TensorParallel, _check_divisible, _fp8_parameter, _shard
 from batchinfer.model.quantization import LinearQuant
+from batchinfer.model.weights import CheckpointTensor
 
 # a checkpoint's per-expert tensor: (block).experts.(e).(projection).(weight or an FP8 scale)
 EXPERT_TENSOR = re.compile(r"(.+)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\."
@@ -112,11 +113,11 @@ class SparseMoE(nn.Module):
             return fp8.linear(x, weight[e], scale[e], (self.group13, self.group2)[which])
         return F.linear(x, (self.w13, self.w2)[which][e])
 
-    def load_expert(self, expert: int, projection: str, loaded: torch.Tensor,
+    def load_expert(self, expert: int, projection: str, loaded: CheckpointTensor,
                     kind: str = "weight") -> None:
-        """One expert's gate_proj, up_proj or down_proj (kind "weight"), or an FP8 one's
-        scale ("weight_scale"; "input_scale" is not used: activations are dynamic here), as
-        the checkpoint holds it."""
+        """One expert's gate_proj, up_proj or down_proj (kind "weight": this rank's rows or
+        columns are read), or an FP8 one's scale ("weight_scale", read whole; "input_scale"
+        is not used: activations are dynamic here), as the checkpoint holds it."""
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"checkpoint has expert {expert}; the config has {self.num_experts}")
         if kind == "input_scale":
@@ -130,7 +131,7 @@ class SparseMoE(nn.Module):
             if self.quant is None:
                 raise ValueError(f"expert {expert} {projection} has a scale, but the model is "
                                  "not FP8")
-            full = fp8.rows_from_checkpoint(loaded, loaded_rows(weight, rows, down),
+            full = fp8.rows_from_checkpoint(loaded.read(), loaded_rows(weight, rows, down),
                                             self.quant.block,
                                             self.full_groups2 if down else scale.shape[2])
             if down:
@@ -142,7 +143,7 @@ class SparseMoE(nn.Module):
                 scale.data[expert, rows].copy_(_shard(full, 0))
             self.loaded.add((expert, projection + " scale"))
             return
-        part = _shard(loaded, 1 if down else 0)
+        part = _shard(loaded, 1 if down else 0).read()
         if self.quant is not None and part.dtype != fp8.FP8:
             if not self.quant.online:
                 raise ValueError(f"is {part.dtype}, expected float8_e4m3fn (the checkpoint's "

@@ -1,8 +1,9 @@
 """Tensor-parallel layers, and this process's place in the tensor- and pipeline-parallel
-groups. With tensor_parallel_size 1 the layers are plain linears; the weight loaders
-already cut each checkpoint tensor into this rank's shard, so sharding across ranks only
-needs a process group and the all-reduce in RowParallelLinear / the embedding. Pipeline
-stages hold a contiguous range of the decoder layers (stage_layers)."""
+groups. With tensor_parallel_size 1 the layers are plain linears; the weight loaders read
+just this rank's shard of each checkpoint tensor (its rows or columns, as
+batchinfer.model.weights.CheckpointTensor), so sharding across ranks only needs a process
+group and the all-reduce in RowParallelLinear / the embedding. Pipeline stages hold a
+contiguous range of the decoder layers (stage_layers)."""
 from __future__ import annotations
 
 import torch
@@ -12,6 +13,7 @@ from torch import nn
 
 from batchinfer.model import cpu_linear, fp8
 from batchinfer.model.quantization import LinearQuant
+from batchinfer.model.weights import CheckpointTensor
 
 
 class TensorParallel:
@@ -31,6 +33,15 @@ class TensorParallel:
         t = torch.tensor([n], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=cls.cpu_group)
         return int(t.item())
+
+    @classmethod
+    def warm_up(cls, device: torch.device) -> None:
+        """One all-reduce on the group (every rank calls it): NCCL creates its communicator
+        on the first collective, which must not happen inside a CUDA graph's capture."""
+        if cls.size > 1:
+            cls.all_reduce(torch.zeros(1, device=device))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
 
     @classmethod
     def all_reduce(cls, x: torch.Tensor) -> torch.Tensor:
@@ -81,9 +92,15 @@ def stage_layers(num_layers: int, stages: int, stage: int) -> range:
     return range(start, start + base + (stage >= stages - extra))
 
 
-def _shard(tensor: torch.Tensor, dim: int) -> torch.Tensor:
-    size = tensor.shape[dim] // TensorParallel.size
-    return tensor.narrow(dim, TensorParallel.rank * size, size)
+def _rank_share(n: int) -> tuple[int, int]:
+    """(first, count) of this rank's equal share of n rows or columns."""
+    size = n // TensorParallel.size
+    return TensorParallel.rank * size, size
+
+
+def _shard(tensor: torch.Tensor | CheckpointTensor, dim: int) -> torch.Tensor | CheckpointTensor:
+    """This rank's share of a torch.Tensor or a CheckpointTensor along dim (not read)."""
+    return tensor.narrow(dim, *_rank_share(tensor.shape[dim]))
 
 
 def _check_divisible(n: int, what: str) -> None:
@@ -153,15 +170,21 @@ class _Fp8Weights:
 
 class ColumnParallelLinear(_Fp8Weights, nn.Module):
     """y = x W^T + b with W's output rows split across ranks. `output_sizes` lists the
-    logical sub-matrices fused into this one (e.g. gate and up), each split separately.
-    With `quant`, W is FP8 (_Fp8Weights)."""
+    logical sub-matrices fused into this one (e.g. gate and up), each split separately:
+    this rank holds rows first to first + count of each, its `shards` (by default its equal
+    share). With `quant`, W is FP8 (_Fp8Weights)."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
-                 quant: LinearQuant | None = None):
+                 quant: LinearQuant | None = None,
+                 shards: list[tuple[int, int]] | None = None):
         super().__init__()
-        for n in output_sizes:
-            _check_divisible(n, "output size")
-        self.output_sizes = [n // TensorParallel.size for n in output_sizes]
+        if shards is None:
+            for n in output_sizes:
+                _check_divisible(n, "output size")
+            shards = [_rank_share(n) for n in output_sizes]
+        self.full_sizes = list(output_sizes)
+        self.shards = shards
+        self.output_sizes = [count for _, count in shards]
         out = sum(self.output_sizes)
         if quant is None:
             self.weight = _parameter(torch.empty(out, input_size))
@@ -170,39 +193,54 @@ class ColumnParallelLinear(_Fp8Weights, nn.Module):
         self.bias = _parameter(torch.empty(out)) if bias else None
         self.packed = None  # the weight in oneDNN's layout, once pack_weights() ran
 
-    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+    def _rows(self, shard_id: int) -> slice:
+        """Where part shard_id's rows are in this rank's weight."""
         offset = sum(self.output_sizes[:shard_id])
-        size = self.output_sizes[shard_id]
-        if self.quant is None or param is self.bias:
-            param.data[offset:offset + size].copy_(_shard(loaded, 0))
-        elif param is self.weight:
-            rows, scale = self._fp8_rows(_shard(loaded, 0))
-            param.data[offset:offset + size].copy_(rows)
-            if scale is not None:
-                self.weight_scale.data[offset:offset + size] = scale
-        elif param is self.weight_scale:
-            rows = self._scale_rows(loaded, size * TensorParallel.size)
-            param.data[offset:offset + size].copy_(_shard(rows, 0))
-        else:
-            self._load_input_scale(loaded)
+        return slice(offset, offset + self.output_sizes[shard_id])
 
-    def load_fused(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+    def load_shard(self, param: nn.Parameter, loaded: CheckpointTensor,
+                   shard_id: int = 0) -> None:
+        """Part shard_id's rows of this rank, read from the checkpoint's tensor of the part
+        (its scale, a weight's rows, is read whole and cut here)."""
+        first, count = self.shards[shard_id]
+        rows = self._rows(shard_id)
+        if self.quant is not None and param is self.weight_scale:
+            scale = self._scale_rows(loaded.read(), self.full_sizes[shard_id])
+            param.data[rows].copy_(scale[first:first + count])
+        elif self.quant is not None and param is self.input_scale:
+            self._load_input_scale(loaded.read())
+        else:
+            if loaded.shape[0] != self.full_sizes[shard_id]:
+                raise ValueError(f"has {loaded.shape[0]} rows, expected "
+                                 f"{self.full_sizes[shard_id]}")
+            part = loaded.narrow(0, first, count).read()
+            if self.quant is None or param is self.bias:
+                param.data[rows].copy_(part)
+            else:
+                weight, scale = self._fp8_rows(part)
+                param.data[rows].copy_(weight)
+                if scale is not None:
+                    self.weight_scale.data[rows] = scale
+
+    def load_fused(self, param: nn.Parameter, loaded: CheckpointTensor) -> None:
         """Load a checkpoint tensor that holds every part at once, one after another."""
-        full = [n * TensorParallel.size for n in self.output_sizes]
+        full = self.full_sizes
         if self.quant is not None and param is self.input_scale:
-            return self._load_input_scale(loaded)
+            return self._load_input_scale(loaded.read())
         if self.quant is not None and param is self.weight_scale:
             # a scale of the fused weight: to rows first (a block may span two parts)
-            scale_rows = self._scale_rows(loaded, sum(full))
+            scale_rows = self._scale_rows(loaded.read(), sum(full))
             for shard_id, part in enumerate(scale_rows.split(full, dim=0)):
-                offset, size = sum(self.output_sizes[:shard_id]), self.output_sizes[shard_id]
-                param.data[offset:offset + size].copy_(_shard(part, 0))
+                first, count = self.shards[shard_id]
+                param.data[self._rows(shard_id)].copy_(part[first:first + count])
             return
         if loaded.shape[0] != sum(full):
             raise ValueError(f"has {loaded.shape[0]} rows, expected "
                              f"{sum(full)} ({' + '.join(map(str, full))})")
-        for shard_id, part in enumerate(loaded.split(full, dim=0)):
-            self.load_shard(param, part, shard_id)
+        start = 0
+        for shard_id, n in enumerate(full):
+            self.load_shard(param, loaded.narrow(0, start, n), shard_id)
+            start += n
 
     def pack_weights(self, batch_hint: int) -> None:
         if self.quant is not None:  # FP8 weights run in their own products
@@ -218,14 +256,28 @@ class ColumnParallelLinear(_Fp8Weights, nn.Module):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """Fused q, k, v projections; each rank holds its query heads and their KV heads."""
+    """Fused q, k, v projections; each rank holds its query heads and the KV heads they
+    use. With more ranks than KV heads, each KV head is held by num_kv_head_replicas ranks
+    (rank r holds KV head r // num_kv_head_replicas), as in vLLM. num_heads and
+    num_kv_heads are this rank's."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool = False, quant: LinearQuant | None = None):
+        tp, rank = TensorParallel.size, TensorParallel.rank
         _check_divisible(num_heads, "num_attention_heads")
-        _check_divisible(num_kv_heads, "num_key_value_heads")
+        if tp <= num_kv_heads:
+            _check_divisible(num_kv_heads, "num_key_value_heads")
+        elif tp % num_kv_heads:
+            raise ValueError(f"tensor_parallel_size ({tp}) neither divides nor is a multiple "
+                             f"of num_key_value_heads ({num_kv_heads})")
+        replicas = max(1, tp // num_kv_heads)
+        q, kv = num_heads // tp * head_dim, max(1, num_kv_heads // tp) * head_dim
+        kv_first = rank // replicas * kv
         super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim,
-                                       num_kv_heads * head_dim], bias, quant)
+                                       num_kv_heads * head_dim], bias, quant,
+                         shards=[(rank * q, q), (kv_first, kv), (kv_first, kv)])
+        self.num_kv_head_replicas = replicas
+        self.num_heads, self.num_kv_heads = q // head_dim, kv // head_dim
 
     SHARDS = {"q": 0, "k": 1, "v": 2}
 
@@ -246,23 +298,25 @@ class RowParallelLinear(_Fp8Weights, nn.Module):
         self.bias = _parameter(torch.empty(output_size)) if bias else None
         self.packed = None
 
-    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+    def load_shard(self, param: nn.Parameter, loaded: CheckpointTensor,
+                   shard_id: int = 0) -> None:
+        """This rank's columns of the weight (its scale and the bias are read whole)."""
         if param is self.bias:
-            param.data.copy_(loaded)
+            param.data.copy_(loaded.read())
         elif param is self.weight:
-            rows, scale = (_shard(loaded, 1), None) if self.quant is None \
-                else self._fp8_rows(_shard(loaded, 1))
+            cols = _shard(loaded, 1).read()
+            rows, scale = (cols, None) if self.quant is None else self._fp8_rows(cols)
             param.data.copy_(rows)
             if scale is not None:
                 self.weight_scale.data.copy_(scale)
         elif param is self.weight_scale:
-            rows = self._scale_rows(loaded, param.shape[0])
+            rows = self._scale_rows(loaded.read(), param.shape[0])
             groups = param.shape[1]
             if groups != self.full_groups:  # block scales: this rank's whole groups
                 rows = rows[:, TensorParallel.rank * groups:(TensorParallel.rank + 1) * groups]
             param.data.copy_(rows)
         else:
-            self._load_input_scale(loaded)
+            self._load_input_scale(loaded.read())
 
     def pack_weights(self, batch_hint: int) -> None:
         if self.packed is None and self.quant is None:
@@ -289,10 +343,12 @@ class VocabParallelEmbedding(nn.Module):
         self.start = TensorParallel.rank * self.shard_size
         self.weight = _parameter(torch.empty(self.shard_size, hidden_size))
 
-    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
-        rows = loaded[self.start:self.start + self.shard_size]
+    def load_shard(self, param: nn.Parameter, loaded: CheckpointTensor,
+                   shard_id: int = 0) -> None:
+        start = min(self.start, loaded.shape[0])
+        rows = min(self.shard_size, loaded.shape[0] - start)
         param.data.zero_()
-        param.data[:rows.shape[0]].copy_(rows)
+        param.data[:rows].copy_(loaded.narrow(0, start, rows).read())
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if TensorParallel.size == 1:

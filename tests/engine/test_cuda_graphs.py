@@ -1,6 +1,7 @@
-"""Decode steps through CUDA graphs: the sizes captured, the padded static-buffer forward
-pass (checked on CPU with the Triton kernels interpreted, capture=False), and on a GPU the
-captured graphs against eager execution."""
+"""Decode steps through CUDA graphs: the sizes captured, when they are captured (tensor
+parallelism included), the padded static-buffer forward pass (checked on CPU with the
+Triton kernels interpreted, capture=False), and on GPUs the captured graphs against eager
+execution, in one process and across two."""
 from __future__ import annotations
 
 import random
@@ -9,7 +10,8 @@ import pytest
 import torch
 
 from batchinfer import LLM, SamplingParams
-from batchinfer.engine.cuda_graphs import capture_sizes
+from batchinfer.engine.cuda_graphs import capture_sizes, captures_decode_graphs
+from batchinfer.model.parallel import TensorParallel
 
 def cuda_only(test):
     return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(),
@@ -24,6 +26,25 @@ def test_capture_sizes():
     assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 256
     assert all(b - a == 8 for a, b in zip(sizes[3:], sizes[4:]))
     assert capture_sizes(4096)[-1] == 512  # larger batches run eagerly
+
+
+def test_tensor_parallel_ranks_capture_graphs_too(monkeypatch):
+    monkeypatch.setattr(TensorParallel, "size", 2)
+    cuda = torch.device("cuda", 1)
+    assert captures_decode_graphs(cuda, enforce_eager=False, backend="triton", graph_safe=True)
+    assert not captures_decode_graphs(cuda, enforce_eager=True, backend="triton",
+                                      graph_safe=True)
+    assert not captures_decode_graphs(cuda, enforce_eager=False, backend="torch",
+                                      graph_safe=True)
+    assert not captures_decode_graphs(cuda, enforce_eager=False, backend="triton",
+                                      graph_safe=False)
+    assert not captures_decode_graphs(torch.device("cpu"), enforce_eager=False,
+                                      backend="triton", graph_safe=True)
+    # before capture, every rank meets once in an all-reduce
+    reduced = []
+    monkeypatch.setattr(TensorParallel, "all_reduce", reduced.append)
+    TensorParallel.warm_up(torch.device("cpu"))
+    assert len(reduced) == 1
 
 
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -127,3 +148,26 @@ def test_graphs_with_sampling_and_prefix_hits(llama_dir):
         assert llm.stats()["prefix_cache_hit_tokens"] > 0
         assert (llm.llm_engine.model_runner.num_graph_steps > 0) == (not eager)
     assert outs[0] == outs[1]
+
+
+@cuda_only
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("fixture", ["llama_dir", "llama_kv1_dir"])
+def test_graphs_across_two_ranks_match_eager(fixture, request):
+    """Each rank captures the same sizes; replays meet in the captured all-reduces."""
+    kwargs = dict(model=str(request.getfixturevalue(fixture)), dtype="float32",
+                  max_num_seqs=20, max_model_len=512, tensor_parallel_size=2)
+    eager = LLM(enforce_eager=True, **kwargs)
+    try:
+        assert eager.llm_engine.model_runner.graphs is None
+        expected = _generate(eager, 20)
+    finally:
+        eager.shutdown()
+    llm = LLM(**kwargs)
+    try:
+        runner = llm.llm_engine.model_runner
+        assert runner.graphs is not None and sorted(runner.graphs.graphs) == [1, 2, 4, 8, 16, 20]
+        assert _generate(llm, 20) == expected
+        assert runner.num_graph_steps >= 20
+    finally:
+        llm.shutdown()

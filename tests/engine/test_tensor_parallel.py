@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+import fp8_checkpoints
 from batchinfer import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow  # each test starts process groups
@@ -67,9 +68,45 @@ def test_two_ranks_match_one(request, model, kwargs):
         llm.generate([[1, 2, 3]], GREEDY)
 
 
+# prefix-cache hits, prompts cut into chunks and preempted requests, all in one engine
+TIGHT = dict(num_kv_blocks=8, max_num_seqs=4, max_num_batched_tokens=24)
+REPLICATED = [GREEDY, SamplingParams(max_tokens=10, temperature=1.0, top_k=20, n=2, seed=5,
+                                     ignore_eos=True)]
+
+
+@pytest.mark.parametrize("model, size, form", [
+    ("llama_kv1", 2, None),
+    ("llama", 4, None),                               # 2 KV heads, each on 2 ranks
+    ("llama_kv1", 2, "compressed-tensors-channel"),   # FP8 weights and scale rows
+])
+def test_replicated_kv_heads_match_one(request, tmp_path, model, size, form):
+    path = request.getfixturevalue(f"{model}_dir")
+    if form is not None:
+        path = fp8_checkpoints.write_fp8(path, tmp_path / form, form)
+    kwargs = dict(dtype="float32", device="cpu", **TIGHT)
+    one = LLM(str(path), **kwargs)
+    expected = [[c.token_ids for c in out.outputs]
+                for params in REPLICATED for out in one.generate(PROMPTS, params)]
+    llm = LLM(str(path), tensor_parallel_size=size, **kwargs)
+    try:
+        # one KV head per rank, and blocks sized for it
+        runner, kv_heads = llm.llm_engine.model_runner, one.llm_engine.model_config.num_key_value_heads
+        assert runner.kv_shape[1] == 1
+        assert runner.block_bytes * kv_heads == one.llm_engine.model_runner.block_bytes
+        got = [[c.token_ids for c in out.outputs]
+               for params in REPLICATED for out in llm.generate(PROMPTS, params)]
+        stats = llm.stats()
+    finally:
+        llm.shutdown()
+    assert got == expected
+    assert stats["prefix_cache_hit_tokens"] == one.stats()["prefix_cache_hit_tokens"] > 0
+    assert stats["num_preemptions"] == one.stats()["num_preemptions"] > 0
+
+
 def test_indivisible_size_is_refused_before_starting(llama_dir):
     # test-llama has 4 query heads and 2 KV heads
-    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide"):
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide the model's "
+                                         r"num_attention_heads \(4\); use a divisor of it"):
         LLM(str(llama_dir), device="cpu", num_kv_blocks=16, tensor_parallel_size=3)
 
 

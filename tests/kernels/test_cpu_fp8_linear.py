@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchinfer.kernels import cpu
 from batchinfer.kernels.cpu import fp8_linear
 
 # Error bounds, as a share of sum_k |x[m, k] W[n, k]| + |bias[n]|: float32 accumulation; for
