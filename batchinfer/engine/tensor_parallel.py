@@ -6,8 +6,19 @@ all-reduces of the forward pass.
 
 Plans travel over a pipe to each worker rather than a collective: a worker waits for its
 next plan as long as rank 0 is idle (a collective would time out), and a pipe closes when
-either end dies. Every rank samples from the same all-gathered logits with identically
-seeded generators, so each keeps its own copy of every request's tokens unsent.
+either end dies.
+
+Rank 0 alone samples, from the logits every rank all-gathers, and the tokens it sampled in
+a step travel with the next plan: a worker needs them only as that step's inputs, so they
+cost a few bytes a row and no wait. Everything that picks a token therefore lives in one
+process, as without parallelism: generators, penalties, and the structured outputs' tries
+and regex automata, with their limits. An automaton that passes its size or its time
+limit per step (timed by rank 0's clock alone) ends its completion on rank 0, and the
+workers only see it finished in the next plan: no rank can pick another token or wait in
+another collective. The alternatives cost more a step: each rank building its own
+automata repeats that host work on every rank and needs the ranks to agree each step on
+a time limit that one of them passed (a collective), and rank 0 shipping allowed-token
+masks sends up to a vocabulary's ids per row and step.
 
 Process groups: NCCL on CUDA (rank r on device index + r), gloo on CPU. CUDA graphs are
 not captured across ranks: tensor-parallel decode steps run eagerly.
@@ -33,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from batchinfer.config import EngineConfig
+from batchinfer.engine.scheduler import SchedulerOutput
 from batchinfer.model.config import ModelConfig
 from batchinfer.model.parallel import TensorParallel
 
@@ -143,7 +155,7 @@ def _worker_main(rank: int, size: int, init_file: str, args: RunnerArgs, threads
                 break
             if not data:      # shutdown
                 break
-            runner.execute(pickle.loads(data))
+            runner.execute(*pickle.loads(data))
     except BaseException:
         reports.put(("error", rank, traceback.format_exc()))
         raise
@@ -283,14 +295,16 @@ class TensorParallelGroup:
         """Rank 0 left a step part way: the workers may be inside its collectives."""
         self._broken = why
 
-    def send_plan(self, plan) -> None:
+    def send_plan(self, plan: SchedulerOutput, sampled: tuple[list[str], list[int]]) -> None:
+        """Hand every worker the plan and the (request ids, tokens) sampled in the step
+        before it."""
         if self._closed:
             raise RuntimeError("this engine was shut down")
         if self._broken is not None:
             raise RuntimeError(f"an earlier step failed part way ({self._broken}), so the "
                                "tensor-parallel ranks are out of step; shut this engine down "
                                "and start a new one")
-        data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+        data = pickle.dumps((plan, sampled), protocol=pickle.HIGHEST_PROTOCOL)
         try:
             for pipe in self._pipes:
                 pipe.send_bytes(data)
