@@ -18,13 +18,15 @@ workers only see it finished in the next plan: no rank can pick another token or
 another collective. The alternatives cost more a step: each rank building its own
 automata repeats that host work on every rank and needs the ranks to agree each step on
 a time limit that one of them passed (a collective), and rank 0 shipping allowed-token
-masks sends up to a vocabulary's ids per row and step.
+masks sends up to a vocabulary's ids per row and step. A regex's guide is rank 0's and is
+left out of the plans (_for_workers).
 
 Process groups: NCCL on CUDA (rank r on device index + r), gloo on CPU. CUDA graphs are
 not captured across ranks: tensor-parallel decode steps run eagerly.
 """
 from __future__ import annotations
 
+import copy
 import multiprocessing
 import os
 import pickle
@@ -36,7 +38,7 @@ import tempfile
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -161,6 +163,21 @@ def _worker_main(rank: int, size: int, init_file: str, args: RunnerArgs, threads
         raise
     finally:
         _leave()
+
+
+def _for_workers(plan: SchedulerOutput) -> SchedulerOutput:
+    """The plan without the regex guides of its new requests' params: a guide holds the
+    vocabulary's bytes and the automaton built so far, which only the sampling rank uses."""
+    if all(new.params.regex_guide is None for new in plan.new_requests):
+        return plan
+    new_requests = []
+    for new in plan.new_requests:
+        if new.params.regex_guide is not None:
+            params = copy.copy(new.params)
+            params.regex_guide = None
+            new = replace(new, params=params)
+        new_requests.append(new)
+    return replace(plan, new_requests=new_requests)
 
 
 class TensorParallelGroup:
@@ -304,7 +321,7 @@ class TensorParallelGroup:
             raise RuntimeError(f"an earlier step failed part way ({self._broken}), so the "
                                "tensor-parallel ranks are out of step; shut this engine down "
                                "and start a new one")
-        data = pickle.dumps((plan, sampled), protocol=pickle.HIGHEST_PROTOCOL)
+        data = pickle.dumps((_for_workers(plan), sampled), protocol=pickle.HIGHEST_PROTOCOL)
         try:
             for pipe in self._pipes:
                 pipe.send_bytes(data)
