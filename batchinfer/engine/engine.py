@@ -218,10 +218,8 @@ class LLMEngine:
         """The pattern's guide, kept for the next requests with it (the most recent
         MAX_REGEX_GUIDES patterns); the vocabulary's bytes are read on first use. A
         pattern whose automaton passed one of its limits while generating for an earlier
-        request is refused (ValueError naming the limit)."""
-        if self.tensor_parallel is not None:
-            raise ValueError("structured outputs by regex are not supported with tensor "
-                             "parallelism")
+        request is refused (ValueError naming the limit). With tensor parallelism the
+        guides are rank 0's alone, as is sampling."""
         guide = self._regex_guides.pop(pattern, None)
         if guide is None:
             if self._vocab_bytes is None:

@@ -2,10 +2,13 @@
 
 It keeps its own copy of each request's tokens and a persistent block-table row per
 running request, updated from the plan's deltas, so a step touches only what changed.
+With tensor parallelism only rank 0's runner samples; the other ranks' take its tokens
+with the next plan (batchinfer/engine/tensor_parallel.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -42,11 +45,16 @@ class RunnerRequest:
         # argmax is all this request ever needs from the sampler
         self.plain_greedy = (p.greedy and not p.uses_penalties and p.logprobs is None
                              and not p.min_tokens and not p.constrained)
-        # what may come next in a structured output: a choice's trie or a regex's matcher
-        self.structure = (ChoiceTrie(p.choice_token_ids) if p.choice_token_ids
-                          else RegexMatcher(p.regex_guide) if p.regex_guide is not None
-                          else None)
         self._constraint_tensors = None
+
+    @cached_property
+    def structure(self) -> ChoiceTrie | RegexMatcher | None:
+        """What may come next in a structured output: a choice's trie or a regex's
+        matcher (made where the request is sampled)."""
+        p = self.params
+        return (ChoiceTrie(p.choice_token_ids) if p.choice_token_ids
+                else RegexMatcher(p.regex_guide) if p.regex_guide is not None
+                else None)
 
     def constraint_tensors(self, device: torch.device):
         """(allowed ids, (bias ids, bias values)) as tensors on device, made once; None
@@ -78,8 +86,12 @@ class ModelRunner:
                  device: torch.device, dtype: torch.dtype, max_model_len: int,
                  eos_token_ids: frozenset[int], plan_sink=None):
         self.config = config
-        # tensor parallelism, on rank 0: hands each plan to the other ranks before running it
+        # tensor parallelism, on rank 0: hands each plan to the other ranks before running
+        # it, with the tokens sampled in the step before (unsent_tokens)
         self.plan_sink = plan_sink
+        # rank 0 alone samples; another rank only joins the logits' all-gather
+        self.samples = TensorParallel.rank == 0
+        self.unsent_tokens: tuple[list[str], list[int]] = ([], [])
         self.device = device
         self.dtype = dtype
         self.kv_dtype = config.kv_cache_torch_dtype(dtype)
@@ -212,7 +224,7 @@ class ModelRunner:
             if state is None:
                 seed = new.params.seed
                 gen = (torch.Generator(device=self.device).manual_seed(seed)
-                       if seed is not None else None)
+                       if seed is not None and self.samples else None)
                 state = RunnerRequest(list(new.token_ids), new.num_prompt_tokens, new.params, gen)
                 self.requests[new.req_id] = state
                 if new.params.prompt_logprobs is not None:
@@ -269,9 +281,15 @@ class ModelRunner:
 
     # ---- the step --------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+    def execute(self, plan: SchedulerOutput,
+                sampled: tuple[list[str], list[int]] = ((), ())) -> RunnerOutput:
+        """Run the plan. `sampled`: on a rank that does not sample, the (request ids,
+        tokens) rank 0 sampled in the step before, which are this step's inputs."""
         if self.plan_sink is not None:
-            self.plan_sink(plan)
+            self.plan_sink(plan, self.unsent_tokens)
+            self.unsent_tokens = ([], [])
+        for req_id, token in zip(*sampled):
+            self.requests[req_id].token_ids.append(token)
         self._update_states(plan)
         starts_by_id = dict(zip(plan.cached_requests.req_ids,
                                 plan.cached_requests.num_computed_tokens))
@@ -368,6 +386,9 @@ class ModelRunner:
             sample_ids = [order[i] for i in sample_idx.tolist()]
         if len(sample_idx) < hidden.shape[0]:
             hidden = hidden[torch.from_numpy(qsl[sample_idx + 1] - 1).to(self.device)]
+        if not self.samples:  # this rank's part of the vocabulary, for rank 0 to sample from
+            self.model.compute_logits(hidden, float32=False)
+            return RunnerOutput([], [], prompt_logprobs=prompt_logprobs)
         batch = self._sampling_batch(sample_states)
         # an argmax, or the CPU sampling kernel, needs no float32 copy of the logits
         logits = self.model.compute_logits(
@@ -376,6 +397,8 @@ class ModelRunner:
         tokens = sampled.token_ids.tolist()
         for state, token in zip(sample_states, tokens):
             state.token_ids.append(token)
+        if self.plan_sink is not None:
+            self.unsent_tokens = (sample_ids, tokens)
         out = RunnerOutput(sample_ids, tokens, prompt_logprobs=prompt_logprobs)
         out.errors = {req_id: state.structure.error
                       for req_id, state in zip(sample_ids, sample_states)
@@ -410,6 +433,8 @@ class ModelRunner:
                 b = min(a + self.PROMPT_LOGPROB_ROWS, end)
                 first_row = int(qsl[i]) + a - start
                 logits = self.model.compute_logits(hidden[first_row:first_row + b - a])
+                if not self.samples:  # the all-gather alone: rank 0 scores
+                    continue
                 targets = torch.tensor(state.token_ids[a + 1:b + 1], device=logits.device)
                 top_ids, values, ranks = logprobs(logits, k, targets)
                 rows += list(zip(top_ids.tolist(), values.tolist(), ranks.tolist()))

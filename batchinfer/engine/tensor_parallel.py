@@ -8,8 +8,20 @@ forward pass and, between stages, in the sends of batchinfer.engine.pipeline.
 
 Plans travel over a pipe to each worker rather than a collective: a worker waits for its
 next plan as long as rank 0 is idle (a collective would time out), and a pipe closes when
-either end dies. Every rank samples from the same all-gathered logits with identically
-seeded generators, so each keeps its own copy of every request's tokens unsent.
+either end dies.
+
+Rank 0 alone samples, from the logits every rank all-gathers, and the tokens it sampled in
+a step travel with the next plan: a worker needs them only as that step's inputs, so they
+cost a few bytes a row and no wait. Everything that picks a token therefore lives in one
+process, as without parallelism: generators, penalties, and the structured outputs' tries
+and regex automata, with their limits. An automaton that passes its size or its time
+limit per step (timed by rank 0's clock alone) ends its completion on rank 0, and the
+workers only see it finished in the next plan: no rank can pick another token or wait in
+another collective. The alternatives cost more a step: each rank building its own
+automata repeats that host work on every rank and needs the ranks to agree each step on
+a time limit that one of them passed (a collective), and rank 0 shipping allowed-token
+masks sends up to a vocabulary's ids per row and step. A regex's guide is rank 0's and is
+left out of the plans (_for_workers).
 
 Process groups: NCCL on CUDA (rank r on device index + r), gloo on CPU. On CUDA every rank
 captures its decode steps in CUDA graphs, as one process does (batchinfer.engine.cuda_graphs):
@@ -19,6 +31,7 @@ eager.
 """
 from __future__ import annotations
 
+import copy
 import multiprocessing
 import os
 import pickle
@@ -30,7 +43,7 @@ import tempfile
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -38,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from batchinfer.config import EngineConfig
+from batchinfer.engine.scheduler import SchedulerOutput
 from batchinfer.model.config import ModelConfig
 from batchinfer.engine.nodes import WAIT_FOR_NODE0, NodeGroup
 from batchinfer.model.parallel import PipelineParallel, TensorParallel
@@ -183,12 +197,27 @@ def _worker_main(rank: int, size: int, meet: Rendezvous, args: RunnerArgs, threa
                 break
             if not data:      # shutdown
                 break
-            runner.execute(pickle.loads(data))
+            runner.execute(*pickle.loads(data))
     except BaseException:
         reports.put(("error", rank, traceback.format_exc()))
         raise
     finally:
         _leave()
+
+
+def _for_workers(plan: SchedulerOutput) -> SchedulerOutput:
+    """The plan without the regex guides of its new requests' params: a guide holds the
+    vocabulary's bytes and the automaton built so far, which only the sampling rank uses."""
+    if all(new.params.regex_guide is None for new in plan.new_requests):
+        return plan
+    new_requests = []
+    for new in plan.new_requests:
+        if new.params.regex_guide is not None:
+            params = copy.copy(new.params)
+            params.regex_guide = None
+            new = replace(new, params=params)
+        new_requests.append(new)
+    return replace(plan, new_requests=new_requests)
 
 
 class TensorParallelGroup:
@@ -345,14 +374,16 @@ class TensorParallelGroup:
         """Rank 0 left a step part way: the workers may be inside its collectives."""
         self._broken = why
 
-    def send_plan(self, plan) -> None:
+    def send_plan(self, plan: SchedulerOutput, sampled: tuple[list[str], list[int]]) -> None:
+        """Hand every worker the plan and the (request ids, tokens) sampled in the step
+        before it."""
         if self._closed:
             raise RuntimeError("this engine was shut down")
         if self._broken is not None:
             raise RuntimeError(f"an earlier step failed part way ({self._broken}), so the "
                                "tensor-parallel ranks are out of step; shut this engine down "
                                "and start a new one")
-        data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+        data = pickle.dumps((_for_workers(plan), sampled), protocol=pickle.HIGHEST_PROTOCOL)
         try:
             for pipe in self._pipes:
                 pipe.send_bytes(data)

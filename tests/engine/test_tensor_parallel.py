@@ -1,6 +1,7 @@
 """Tensor parallelism on CPU: two real processes in a gloo group, each holding half of the
 heads and MLP columns, give the tokens of one process (float32: the all-reduce only
-reorders sums), through greedy and seeded sampling, prefix-cache hits and preemption."""
+reorders sums), through greedy and seeded sampling, prompt logprobs, prefix-cache hits and
+preemption."""
 from __future__ import annotations
 
 import json
@@ -24,18 +25,21 @@ SAMPLED = [
     SamplingParams(max_tokens=10, temperature=1.0, top_k=20, n=2),  # unseeded: the engine's generator
     SamplingParams(max_tokens=10, temperature=0.8, min_p=0.05, seed=3, repetition_penalty=1.3,
                    presence_penalty=0.5, frequency_penalty=0.3, logprobs=2, min_tokens=4,
-                   stop=["e"]),
+                   stop=["e"], prompt_logprobs=2),
 ]
 SHARED = list(range(3, 40))  # a 37-token prefix: two full blocks that later prompts reuse
 PROMPTS = [[1, 17, 42, 99, 7], SHARED + [5, 6], SHARED + [8], list(range(100, 170))]
 
 
-def _run(llm: LLM) -> tuple[list, dict]:
-    got = []
+def _run(llm: LLM) -> tuple[list, list[float], dict]:
+    got, values = [], []
     for params in SAMPLED:
         for out in llm.generate(PROMPTS, params):
             got.append([(c.token_ids, c.text, c.finish_reason) for c in out.outputs])
-    return got, llm.stats()
+            if out.prompt_logprobs is not None:  # scored on rank 0 alone
+                got.append((out.prompt_logprobs.token_ids, out.prompt_logprobs.ranks))
+                values += out.prompt_logprobs.logprobs
+    return got, values, llm.stats()
 
 
 @pytest.mark.parametrize("model, kwargs", [
@@ -50,15 +54,16 @@ def _run(llm: LLM) -> tuple[list, dict]:
 ])
 def test_two_ranks_match_one(request, model, kwargs):
     path = str(request.getfixturevalue(f"{model}_dir"))
-    expected, stats1 = _run(LLM(path, dtype="float32", device="cpu", **kwargs))
+    expected, values1, stats1 = _run(LLM(path, dtype="float32", device="cpu", **kwargs))
     llm = LLM(path, dtype="float32", device="cpu", tensor_parallel_size=2, **kwargs)
     try:
         workers = llm.llm_engine.tensor_parallel.workers
         assert len(workers) == 1 and workers[0].is_alive()
-        got, stats2 = _run(llm)
+        got, values2, stats2 = _run(llm)
     finally:
         llm.shutdown()
     assert got == expected
+    assert values2 == pytest.approx(values1, abs=1e-4) and len(values1) > 0
     assert stats2["prefix_cache_hit_tokens"] == stats1["prefix_cache_hit_tokens"] > 0
     assert stats2["num_preemptions"] == stats1["num_preemptions"]
     if kwargs["num_kv_blocks"] == 6:
