@@ -3,7 +3,9 @@
 It keeps its own copy of each request's tokens and a persistent block-table row per
 running request, updated from the plan's deltas, so a step touches only what changed.
 With tensor parallelism only rank 0's runner samples; the other ranks' take its tokens
-with the next plan (batchinfer/engine/tensor_parallel.py).
+with the next plan (batchinfer/engine/tensor_parallel.py). With pipeline parallelism the
+last stage's first rank samples and shares the step's output with every rank at once
+(batchinfer/engine/pipeline.py).
 """
 from __future__ import annotations
 
@@ -89,8 +91,9 @@ class ModelRunner:
         # tensor parallelism, on rank 0: hands each plan to the other ranks before running
         # it, with the tokens sampled in the step before (unsent_tokens)
         self.plan_sink = plan_sink
-        # rank 0 alone samples; another rank only joins the logits' all-gather
-        self.samples = TensorParallel.rank == 0
+        # one rank samples (the last pipeline stage's first); another rank only joins the
+        # logits' all-gather
+        self.samples = TensorParallel.rank == 0 and PipelineParallel.is_last()
         self.unsent_tokens: tuple[list[str], list[int]] = ([], [])
         self.device = device
         self.dtype = dtype
@@ -285,8 +288,8 @@ class ModelRunner:
                 sampled: tuple[list[str], list[int]] = ((), ())) -> RunnerOutput:
         """Run the plan. `sampled`: on a rank that does not sample, the (request ids,
         tokens) rank 0 sampled in the step before, which are this step's inputs."""
-        if self.plan_sink is not None:
-            self.plan_sink(plan, self.unsent_tokens)
+        if self.plan_sink is not None:  # (a node's first rank passes on what node 0 sent)
+            self.plan_sink(plan, self.unsent_tokens if self.samples else sampled)
             self.unsent_tokens = ([], [])
         for req_id, token in zip(*sampled):
             self.requests[req_id].token_ids.append(token)
@@ -337,7 +340,11 @@ class ModelRunner:
             hidden = self.model(ids_t, pos_t, meta, self.kv_caches)
         out = self._sample(hidden, states, order, starts, num_new, qsl)
         if PipelineParallel.size > 1:
-            pipeline.share_output(out)
+            shared = pipeline.share_output(out if self.samples else None)
+            if not self.samples:  # another rank of the last stage
+                for req_id, token in zip(shared.req_ids, shared.token_ids):
+                    self.requests[req_id].token_ids.append(token)
+                out = shared
         return out
 
     def _stage_forward(self, input_ids: list[int], starts: np.ndarray, num_new: np.ndarray,
@@ -397,7 +404,7 @@ class ModelRunner:
         tokens = sampled.token_ids.tolist()
         for state, token in zip(sample_states, tokens):
             state.token_ids.append(token)
-        if self.plan_sink is not None:
+        if self.plan_sink is not None and PipelineParallel.size == 1:  # (else: shared)
             self.unsent_tokens = (sample_ids, tokens)
         out = RunnerOutput(sample_ids, tokens, prompt_logprobs=prompt_logprobs)
         out.errors = {req_id: state.structure.error

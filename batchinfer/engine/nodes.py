@@ -16,13 +16,16 @@ breaks the store's and the group's connections, so the others fail instead of wa
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
 
 WAIT_FOR_NODE0 = timedelta(hours=2)   # for node 0 to start and to decide (it may queue)
+WAIT_FOR_NODES_S = 120.0  # for the other nodes to read a "done" or "failed" (they may start late)
 START = "batchinfer/start"
+SEEN = "batchinfer/seen"
 
 
 @dataclass(frozen=True)
@@ -55,15 +58,25 @@ class NodeGroup:
 
     def announce(self, word: str) -> None:
         """Node 0: tell the other nodes what comes ("engine", "done", "failed"); the first
-        word stands."""
+        word stands. Node 0's store must outlive their reading a word that ends the run,
+        so for those this waits (up to WAIT_FOR_NODES_S) until every node has read it."""
         store = self.store()
-        if not store.check([START]):
-            store.set(START, word)
+        if store.check([START]):
+            return
+        store.set(START, word)
+        if word == "engine":  # the group's forming waits for every node
+            return
+        deadline = time.monotonic() + WAIT_FOR_NODES_S
+        while store.add(SEEN, 0) < self.count - 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
 
     def wait_for_word(self) -> str:
         """Another node: node 0's word; ConnectionError when node 0 is gone."""
         try:
-            return self.store().get(START).decode()
+            store = self.store()
+            word = store.get(START).decode()
+            store.add(SEEN, 1)
+            return word
         except (dist.DistNetworkError, RuntimeError) as e:
             raise ConnectionError(f"node 0 ({self.master_addr}:{self.master_port}) went away "
                                   f"before it started the engine: {str(e).splitlines()[0]}") from None

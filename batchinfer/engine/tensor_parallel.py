@@ -286,7 +286,7 @@ class TensorParallelGroup:
                 raise ConnectionError(f"node 0 went away: {str(e).splitlines()[0]}") from None
             if box[0] is None:
                 return
-            runner.execute(box[0])
+            runner.execute(*box[0])
 
     def _join_watching_workers(self, size: int, meet: Rendezvous, device: torch.device,
                                tp_size: int) -> None:
@@ -392,7 +392,7 @@ class TensorParallelGroup:
             self._broken = "a worker is gone"
             raise WorkerError(f"a tensor-parallel worker is gone: {error}") from None
         if self._sends_to_nodes:
-            self._to_nodes(plan)
+            self._to_nodes((_for_workers(plan), sampled))
 
     @property
     def _sends_to_nodes(self) -> bool:
