@@ -47,3 +47,33 @@ def test_arrays_that_are_not_one_range_are_refused(tmp_path, env):
     result = _run(tmp_path, env, "in.jsonl")
     assert result.returncode == 2 and "must be one range" in result.stderr
     assert result.stdout == ""
+
+
+def test_tasks_of_several_nodes_become_one_engine(tmp_path):
+    """A job of several tasks (one a node) runs them with srun, each with its --node-rank,
+    meeting at the allocation's first node; each node is a pipeline stage by default."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text('#!/bin/sh\nprintf "gpu-a\\ngpu-b\\n"\n')
+    # srun's stand-in: prints its own options, then runs the command once per task
+    (bin_dir / "srun").write_text(
+        '#!/bin/bash\nwhile [[ "$1" == --* ]]; do echo "srun $1"; shift; done\n'
+        'for i in 0 1; do SLURM_PROCID=$i "$@"; done\n')
+    for tool in ("scontrol", "srun"):
+        (bin_dir / tool).chmod(0o755)
+    env = {"SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "gpu-[a-b]", "SLURM_JOB_ID": "4321",
+           "SLURM_GPUS_ON_NODE": "8", "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    result = _run(tmp_path, env, "in.jsonl", "-o", "o")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.split("\n")[:-1]
+    assert [x for x in lines if x.startswith("srun")] == [
+        "srun --kill-on-bad-exit=1", "srun --wait=120", "srun --ntasks=2"]
+    runs = "\n".join(lines).split("run\n")[1:]
+    flags = ["in.jsonl", "-o", "o", "--tensor-parallel-size", "8", "--nnodes", "2",
+             "--master-addr", "gpu-a", "--master-port", str(20000 + 4321),
+             "--pipeline-parallel-size", "2"]
+    assert [r.split("\n")[:-1] if r.endswith("\n") else r.split("\n") for r in runs] == [
+        flags + ["--node-rank", "0"], flags + ["--node-rank", "1"]]
+    # the flags or a job file decide the stages when they mention them
+    out = _run(tmp_path, env, "in.jsonl", "--pipeline-parallel-size", "1").stdout
+    assert out.count("--pipeline-parallel-size") == 2  # the given one, in each task's run
