@@ -28,7 +28,7 @@ from . import build
 SOURCE = Path(__file__).with_name("fp8_linear.c")
 # Rows of x up to which linear() runs the C kernel; from there on, the tiled path. A first
 # guess, to be set from `batchinfer bench kernels --cpu-fp8-linear`.
-KERNEL_MAX_ROWS = 32
+KERNEL_MAX_ROWS = 12  # measured: the C kernel wins below about 12 rows, the tiled path above (docs/measurements.md)
 # Scratch of the tiled path: W's rows dequantised at a time (in x's dtype; the fallback and
 # float16 go through float32 first).
 TILE_BYTES = 8 << 20
