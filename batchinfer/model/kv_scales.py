@@ -51,7 +51,10 @@ def take_kv_scales(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
             setattr(attention, field, value)
 
 
-def _scalar(name: str, tensor: torch.Tensor) -> float:
+def _scalar(name: str, tensor) -> float:
+    """tensor: a torch.Tensor or a checkpoint's CheckpointTensor (read here)."""
+    if not isinstance(tensor, torch.Tensor):
+        tensor = tensor.read()
     if tensor.numel() != 1:
         raise ValueError(f"checkpoint tensor {name!r}: a KV-cache scale must be one number, "
                          f"got shape {list(tensor.shape)}")
