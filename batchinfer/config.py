@@ -41,7 +41,7 @@ class EngineConfig:
     load_format: str = "auto"  # "auto" (safetensors; .bin only with allow_pickle_weights) | "dummy" (random)
     quantization: str | None = None  # "fp8": a full-precision checkpoint's linears to FP8 at load
     # sampling defaults: "auto" (the model's generation_config.json), "vllm" (none), or a
-    # directory holding a generation_config.json (batchinfer/generation_config.py)
+    # directory holding a generation_config.json (batchinfer/model/generation_config.py)
     generation_config: str = "auto"
 
     def __post_init__(self) -> None:

@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from batchinfer import LLM, SamplingParams
-from batchinfer.generation_config import generation_defaults
+from batchinfer.model.generation_config import generation_defaults
 from batchinfer.job.cli import run
 
 sys.path.insert(0, str(Path(__file__).parent / "job"))

@@ -19,8 +19,8 @@ from batchinfer.engine.request import Request, RequestStatus
 from batchinfer.engine.scheduler import Scheduler, SchedulerOutput
 from batchinfer.engine.tensor_parallel import (RunnerArgs, TensorParallelGroup, WorkerError,
                                                 check_divisible)
-from batchinfer.generation_config import generation_defaults
 from batchinfer.model.config import ModelConfig
+from batchinfer.model.generation_config import generation_defaults
 from batchinfer.model.loader import resolve_model_path, resolve_tokenizer_path
 from batchinfer.model.parallel import PipelineParallel, TensorParallel, stage_layers
 from batchinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput

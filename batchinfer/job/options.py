@@ -185,7 +185,7 @@ class JobOptions:
     def model_sampling_defaults(self) -> dict[str, Any]:
         """The sampling defaults --generation-config gives (by default the model's
         generation_config.json), as SamplingParams fields, flags or not."""
-        from batchinfer.generation_config import generation_defaults
+        from batchinfer.model.generation_config import generation_defaults
         setting = self.generation_config or "auto"
         model_dir = None
         if setting == "auto" and self.model not in (None, "demo"):  # the demo's sets none
@@ -209,7 +209,8 @@ class JobOptions:
         (sampling_from_model) for the rest, then SamplingParams' own, except max_tokens:
         unset, a completion runs until its end-of-sequence token or the context is full."""
         kwargs = {"max_tokens": None, **self.sampling_from_model()}
-        kwargs.update((k, getattr(self, k)) for k in SAMPLING_NAMES if getattr(self, k) is not None)
+        kwargs.update((k, getattr(self, k)) for k in SAMPLING_NAMES
+                      if getattr(self, k) is not None)
         given = [f for f, v in (("--choice", self.choice), ("--regex", self.regex),
                                 ("--json-schema", self.json_schema)) if v]
         if len(given) > 1:

@@ -21,7 +21,7 @@ from typing import Any, Protocol, TextIO
 
 from batchinfer.engine.gc_freeze import startup_heap_frozen
 from batchinfer.flags import SAMPLING_NAMES, engine_flags_in
-from batchinfer.generation_config import FILE_NAME, describe
+from batchinfer.model.generation_config import FILE_NAME, describe
 from batchinfer.job.durable import os_error_message
 from batchinfer.job.errors import JobError, OutputFailed
 from batchinfer.job.manifest import Manifest, OutputDir, fingerprint, now_iso
