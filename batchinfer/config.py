@@ -40,6 +40,9 @@ class EngineConfig:
     allow_pickle_weights: bool = False
     load_format: str = "auto"  # "auto" (safetensors; .bin only with allow_pickle_weights) | "dummy" (random)
     quantization: str | None = None  # "fp8": a full-precision checkpoint's linears to FP8 at load
+    # sampling defaults: "auto" (the model's generation_config.json), "vllm" (none), or a
+    # directory holding a generation_config.json (batchinfer/model/generation_config.py)
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -72,6 +75,9 @@ class EngineConfig:
         if self.quantization not in (None, *QUANTIZATION_METHODS):
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; "
                              f"got {self.quantization!r}")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError("generation_config must be 'auto', 'vllm' or a directory, got "
+                             f"{self.generation_config!r}")
         if self.device is not None:
             check_device(self.device)
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -110,6 +110,9 @@ ENGINE_FLAGS = (
          "fp8: quantize a full-precision checkpoint's linear layers to FP8 while loading "
          "(an FP8 checkpoint needs no flag)."),
     Flag("tokenizer", ("--tokenizer",), str, "Tokenizer directory, when not the model's."),
+    Flag("generation_config", ("--generation-config",), str,
+         "auto: the sampling defaults of the model's generation_config.json apply where no "
+         "flag sets them; vllm: ignore it; or a directory holding a generation_config.json."),
     Flag("trust_remote_code", ("--trust-remote-code/--no-trust-remote-code",),
          help="Allow a model's own configuration code."),
     Flag("allow_pickle_weights", ("--allow-pickle-weights/--no-allow-pickle-weights",),

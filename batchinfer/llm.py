@@ -21,6 +21,13 @@ class LLM:
         self.llm_engine = LLMEngine.from_kwargs(resolve_model(model), **kwargs)
         self._ids = itertools.count()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's recommended values (its generation_config.json,
+        or the generation_config directory given; none with generation_config="vllm"),
+        SamplingParams' own defaults for the rest. generate() without params uses these; a
+        SamplingParams passed in is used as given."""
+        return SamplingParams(**self.llm_engine.default_sampling)
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
@@ -32,7 +39,7 @@ class LLM:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                         and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):

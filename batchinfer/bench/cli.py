@@ -61,7 +61,7 @@ ENGINE_DEFAULTS = {"dtype": "auto", "block_size": 16, "max_num_seqs": 256,
                    "pipeline_parallel_size": 1,
                    "attention_backend": "auto", "enforce_eager": False, "load_format": "auto",
                    "quantization": None,
-                   "kv_cache_dtype": "auto",
+                   "kv_cache_dtype": "auto", "generation_config": "auto",
                    "trust_remote_code": False, "allow_pickle_weights": False}
 BENCH_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "logprobs", "prompt_logprobs")
 SAMPLING_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}

@@ -20,6 +20,7 @@ from batchinfer.engine.scheduler import Scheduler, SchedulerOutput
 from batchinfer.engine.tensor_parallel import (RunnerArgs, TensorParallelGroup, WorkerError,
                                                 check_divisible)
 from batchinfer.model.config import ModelConfig
+from batchinfer.model.generation_config import generation_defaults
 from batchinfer.model.loader import resolve_model_path, resolve_tokenizer_path
 from batchinfer.model.parallel import PipelineParallel, TensorParallel, stage_layers
 from batchinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -35,6 +36,8 @@ class LLMEngine:
         from transformers import AutoConfig, AutoTokenizer
         self.config = config
         path = resolve_model_path(config.model)
+        # SamplingParams values the model recommends (LLM.get_default_sampling_params)
+        self.default_sampling = generation_defaults(path, config.generation_config)
         self.model_config = ModelConfig.from_hf(
             AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code),
             config.quantization)

@@ -85,6 +85,7 @@ class JobOptions:
     quantization: str | None = None
     device: str | None = None
     tokenizer: str | None = None
+    generation_config: str | None = None
     trust_remote_code: bool | None = None
     allow_pickle_weights: bool | None = None
     # The job itself
@@ -181,8 +182,35 @@ class JobOptions:
         if textfile.is_dir() or not (where.is_dir() or where == outdir / META_DIR):
             raise JobError(f"{name}: needs a file path in an existing directory")
 
+    def model_sampling_defaults(self) -> dict[str, Any]:
+        """The sampling defaults --generation-config gives (by default the model's
+        generation_config.json), as SamplingParams fields, flags or not."""
+        from batchinfer.model.generation_config import generation_defaults
+        setting = self.generation_config or "auto"
+        model_dir = None
+        if setting == "auto" and self.model not in (None, "demo"):  # the demo's sets none
+            from batchinfer.model.loader import resolve_model_path
+            try:
+                model_dir = resolve_model_path(self.model)
+            except FileNotFoundError:
+                pass  # check_model says so before any row runs
+        try:
+            return generation_defaults(model_dir, setting)
+        except ValueError as e:
+            raise JobError(re.sub(r"^generation_config ", "--generation-config ", str(e)))
+
+    def sampling_from_model(self) -> dict[str, Any]:
+        """The model's sampling defaults that apply: those no flag or job-file value sets."""
+        return {k: v for k, v in self.model_sampling_defaults().items()
+                if getattr(self, k) is None}
+
     def sampling_params(self) -> SamplingParams:
-        kwargs = {k: getattr(self, k) for k in SAMPLING_NAMES if getattr(self, k) is not None}
+        """The job's SamplingParams: flags and job-file values, the model's defaults
+        (sampling_from_model) for the rest, then SamplingParams' own, except max_tokens:
+        unset, a completion runs until its end-of-sequence token or the context is full."""
+        kwargs = {"max_tokens": None, **self.sampling_from_model()}
+        kwargs.update((k, getattr(self, k)) for k in SAMPLING_NAMES
+                      if getattr(self, k) is not None)
         given = [f for f, v in (("--choice", self.choice), ("--regex", self.regex),
                                 ("--json-schema", self.json_schema)) if v]
         if len(given) > 1:

@@ -15,12 +15,13 @@ import re
 import signal
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 from batchinfer.engine.gc_freeze import startup_heap_frozen
-from batchinfer.flags import engine_flags_in
+from batchinfer.flags import SAMPLING_NAMES, engine_flags_in
+from batchinfer.model.generation_config import FILE_NAME, describe
 from batchinfer.job.durable import os_error_message
 from batchinfer.job.errors import JobError, OutputFailed
 from batchinfer.job.manifest import Manifest, OutputDir, fingerprint, now_iso
@@ -222,6 +223,11 @@ def _run_engine(options: JobOptions, source: Source, plan: _Plan, writer: PartWr
         if options.model == "demo":
             from batchinfer.demo import DEMO_NOTICE
             print(DEMO_NOTICE, file=err)
+        from_model = options.sampling_from_model()
+        if from_model:
+            print(f"batchinfer: sampling defaults from {_generation_config_file(options)}: "
+                  f"{describe(from_model)} (flags override them; --generation-config vllm "
+                  "ignores the file)", file=err)
         try:
             engine = engine_factory(options.model, options.engine_kwargs())
         except FileNotFoundError as e:
@@ -355,6 +361,13 @@ def _finish(options: JobOptions, outdir: OutputDir, manifest: Manifest, complete
     summary = compute_summary(paths, wall_s)
     summary["complete"] = complete
     summary["runs"] = len(manifest.runs)
+    params = asdict(options.sampling_params())
+    summary["sampling"] = {k: params[k] for k in SAMPLING_NAMES}  # the effective values
+    summary["sampling_from_model"] = options.sampling_from_model()
+    warning = _length_warning(options, summary)
+    if warning is not None:
+        summary["warnings"] = [warning]
+        print(f"batchinfer: warning: {warning}", file=err)
     write_summary(outdir.summary_path, summary)
     if complete and options.output_format == "openai":
         write_openai_output(outdir.parts_with_sampled_first(manifest), outdir.openai_path,
@@ -370,3 +383,27 @@ def _finish(options: JobOptions, outdir: OutputDir, manifest: Manifest, complete
     if options.output_format == "openai":
         print(f"batchinfer: OpenAI Batch output in {outdir.openai_path}", file=out)
     return JobResult(0, summary, outdir.path)
+
+
+# the share of completions that may end by length, with no --max-tokens, before a warning
+LENGTH_WARNING_SHARE = 0.01
+
+
+def _length_warning(options: JobOptions, summary: dict[str, Any]) -> str | None:
+    """A warning when, with no --max-tokens, over 1% of the completions ended by length:
+    cut off where the context was full (or at the model's max_new_tokens), not finished."""
+    completions = summary["samples"] - summary["errors"]
+    cut = summary["finished_by_length"]
+    if options.max_tokens is not None or cut <= LENGTH_WARNING_SHARE * completions:
+        return None
+    default = summary["sampling_from_model"].get("max_tokens")
+    where = (f"the model's max_new_tokens ({default}, {_generation_config_file(options)})"
+             if default is not None else "a full context (--max-model-len)")
+    return (f"{cut} of {completions} completions ({100 * cut / completions:.1f}%) ended by "
+            f"length with no --max-tokens, at {where}; they may be cut short: set "
+            "--max-tokens, or raise --max-model-len")
+
+
+def _generation_config_file(options: JobOptions) -> str:
+    setting = options.generation_config or "auto"
+    return f"the model's {FILE_NAME}" if setting == "auto" else f"{setting}/{FILE_NAME}"

@@ -25,6 +25,7 @@ def _aggregate(paths: list[Path]) -> dict[str, Any]:
     exprs = {
         "first": pc.if_else(first, 1, 0).cast(pa.int64()),
         "failed": pc.if_else(failed, 1, 0).cast(pa.int64()),
+        "length": pc.if_else(pc.field("finish_reason") == "length", 1, 0).cast(pa.int64()),
         # a failed row's prompt (its length is reported) was never computed
         "prompt_tokens": pc.if_else(first & ~failed, pc.field("prompt_tokens"), zero),
         "cached_tokens": pc.if_else(first, pc.field("cached_tokens"), zero),
@@ -33,8 +34,8 @@ def _aggregate(paths: list[Path]) -> dict[str, Any]:
         **{name: pc.field(name).cast(pa.float64()) for name in LATENCIES},
     }
     aggregates = [(n, "sum", pc.ScalarAggregateOptions(min_count=0), n)
-                  for n in ("first", "failed", "prompt_tokens", "cached_tokens", "output_tokens",
-                            "preemptions")]
+                  for n in ("first", "failed", "length", "prompt_tokens", "cached_tokens",
+                            "output_tokens", "preemptions")]
     aggregates.append(("output_tokens", "count", pc.CountOptions(mode="all"), "samples"))
     aggregates += [(n, "tdigest", pc.TDigestOptions(q=list(QUANTILES), delta=1000), n + "_q")
                    for n in LATENCIES]
@@ -63,6 +64,7 @@ def compute_summary(paths: list[Path], wall_s: float) -> dict[str, Any]:
         "rows": rows,
         "samples": agg.get("samples") or 0,
         "errors": agg.get("failed") or 0,
+        "finished_by_length": agg.get("length") or 0,
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "output_tokens": output,
@@ -98,8 +100,8 @@ def print_table(summary: dict[str, Any], stream: TextIO) -> None:
 
     lines = []
     for key, value in summary.items():
-        if any(key.startswith(n + "_p") for n in LATENCIES):
-            continue
+        if any(key.startswith(n + "_p") for n in LATENCIES) or isinstance(value, (dict, list)):
+            continue  # the sampling and the warnings are the JSON's (warnings go to stderr)
         lines.append((key, fmt(value)))
     for name in LATENCIES:
         qs = " / ".join(fmt(summary.get(f"{name}_p{round(q * 100)}")) for q in QUANTILES)
