@@ -176,6 +176,8 @@ def test_greedy_chat_equals_transformers(smollm2_dir, smollm2):
     ours_top5 = [[set(step) for step in o.outputs[0].logprobs] for o in outs]
     ref = checkpoints.hf_greedy(smollm2_dir, prompts, new_tokens, gguf_file=MODEL_FILE)
     result = checkpoints.compare_greedy(ours, ref.token_ids, ours_top5, ref.top5)
+    print(f"{MODEL_FILE}: {result.exact}/{len(CHATS)} exact, {result.tolerated} tolerated "
+          "near-ties")
     assert result.ok, result.failures
     assert result.exact >= len(CHATS) - 1, (result.exact, result.tolerated)
 
