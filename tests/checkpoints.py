@@ -99,20 +99,22 @@ class GreedyOutput:
 
 
 @functools.lru_cache(maxsize=4)
-def _load_hf_model(model_dir: str) -> torch.nn.Module:
+def _load_hf_model(model_dir: str, gguf_file: str | None = None) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                 attn_implementation="eager")
+                                                 attn_implementation="eager",
+                                                 gguf_file=gguf_file)
     return model.eval()
 
 
 @torch.inference_mode()
 def hf_greedy(model_dir: str | Path, prompt_ids: Sequence[Sequence[int]],
-              max_new_tokens: int, ignore_eos: bool = False) -> GreedyOutput:
+              max_new_tokens: int, ignore_eos: bool = False,
+              gguf_file: str | None = None) -> GreedyOutput:
     """transformers' own greedy `generate`, float32, one prompt at a time (no padding):
     the reference our engine is compared with. Stops at the checkpoint's eos ids unless
-    `ignore_eos`."""
-    model = _load_hf_model(str(model_dir))
+    `ignore_eos`. `gguf_file`: the model is that GGUF file in model_dir, dequantized."""
+    model = _load_hf_model(str(model_dir), gguf_file)
     stop = {"eos_token_id": []} if ignore_eos else {}
     tokens, top5 = [], []
     for ids in prompt_ids:

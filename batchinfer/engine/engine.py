@@ -21,7 +21,8 @@ from batchinfer.engine.tensor_parallel import (RunnerArgs, TensorParallelGroup, 
                                                 check_divisible)
 from batchinfer.model.config import ModelConfig
 from batchinfer.model.generation_config import generation_defaults
-from batchinfer.model.loader import resolve_model_path, resolve_tokenizer_path
+from batchinfer.model.loader import (hf_config, hf_tokenizer, resolve_model_path,
+                                     resolve_tokenizer_path)
 from batchinfer.model.parallel import PipelineParallel, TensorParallel, stage_layers
 from batchinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from batchinfer.sampling_params import SamplingParams
@@ -33,17 +34,14 @@ MAX_REGEX_GUIDES = 64
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        from transformers import AutoConfig, AutoTokenizer
         self.config = config
         path = resolve_model_path(config.model)
         # SamplingParams values the model recommends (LLM.get_default_sampling_params)
         self.default_sampling = generation_defaults(path, config.generation_config)
-        self.model_config = ModelConfig.from_hf(
-            AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code),
-            config.quantization)
+        self.model_config = ModelConfig.from_hf(hf_config(path, config.trust_remote_code),
+                                                config.quantization)
         tokenizer_path = resolve_tokenizer_path(config.tokenizer) if config.tokenizer else path
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path,
-                                                       trust_remote_code=config.trust_remote_code)
+        self.tokenizer = hf_tokenizer(tokenizer_path, config.trust_remote_code)
         self.eos_token_ids = _eos_token_ids(path, self.model_config, self.tokenizer)
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         check_device(self.device)
@@ -398,12 +396,13 @@ class LLMEngine:
 
 def _eos_token_ids(path, model_config: ModelConfig, tokenizer) -> frozenset[int]:
     ids: set[int] = set()
-    try:
+    eos = model_config.eos_token_id
+    if path.is_dir():  # a GGUF file has no generation config
         from transformers import GenerationConfig
-        gen = GenerationConfig.from_pretrained(path)
-        eos = gen.eos_token_id
-    except (OSError, ValueError):
-        eos = model_config.eos_token_id
+        try:
+            eos = GenerationConfig.from_pretrained(path).eos_token_id
+        except (OSError, ValueError):
+            pass
     if eos is not None:
         ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
     if tokenizer.eos_token_id is not None:

@@ -79,10 +79,13 @@ def load_engine(model: str, kwargs: dict[str, Any]) -> Engine:
 def check_model(model: str, tokenizer: str | None) -> None:
     """Fail fast (before any input is read) when the model or tokenizer cannot be found."""
     from batchinfer.demo import resolve_model
+    from batchinfer.model import gguf
     from batchinfer.model.loader import resolve_model_path, resolve_tokenizer_path
     try:
-        resolve_model_path(resolve_model(model))
-    except FileNotFoundError as e:
+        path = resolve_model_path(resolve_model(model))
+        if gguf.is_gguf(path):
+            gguf.check(path)
+    except (FileNotFoundError, ValueError) as e:
         raise JobError(f"--model: {e}") from None
     try:
         if tokenizer is not None:

