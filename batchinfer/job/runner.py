@@ -339,8 +339,11 @@ class _Loop:
             if params.prompt_logprobs is not None and not self.prompt_logprobs:
                 # an OpenAI line's ask, in a job whose output predates the columns
                 params = params.clone(prompt_logprobs=None)
-            self.engine.add_request(request_id, item.prompt.tolist(), params,
-                                    reasoning_parser=self.reasoning_parser)
+            if self.reasoning_parser is None:  # (an engine may not take the argument)
+                self.engine.add_request(request_id, item.prompt.tolist(), params)
+            else:
+                self.engine.add_request(request_id, item.prompt.tolist(), params,
+                                        reasoning_parser=self.reasoning_parser)
             self.inflight[request_id] = item
 
     def step(self) -> None:
