@@ -32,8 +32,22 @@ class LLM:
         return self.llm_engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Outputs in the order of the prompts (strings or token-id lists)."""
+                 use_tqdm: bool = False, *,
+                 reasoning_parser: str | None = None) -> list[RequestOutput]:
+        """Outputs in the order of the prompts (strings or token-id lists).
+        `reasoning_parser` ("deepseek_r1" or "qwen3"): each completion's text inside the
+        think tags goes to its reasoning_content and `text` keeps the answer after them;
+        a structured output applies to the answer."""
+        return self._generate(prompts, sampling_params, use_tqdm,
+                              self._reasoning_parser(reasoning_parser, None))
+
+    def _reasoning_parser(self, name: str | None, chat_template_kwargs: dict | None):
+        if name is None:
+            return None
+        return self.llm_engine.get_reasoning_parser(name, chat_template_kwargs)
+
+    def _generate(self, prompts, sampling_params, use_tqdm: bool,
+                  reasoning_parser) -> list[RequestOutput]:
         if hasattr(prompts, "tolist") and not isinstance(prompts, list):
             prompts = prompts.tolist()  # a numpy array (or tensor) of token ids
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
@@ -50,7 +64,8 @@ class LLM:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 request_id = str(next(self._ids))
                 self.llm_engine.add_request(request_id, prompt, p,
-                                            prompt_token_ids=encoded.get(i))
+                                            prompt_token_ids=encoded.get(i),
+                                            reasoning_parser=reasoning_parser)
                 ids.append(request_id)
         except BaseException:  # a bad argument or Ctrl-C part way: the added ones go too
             self.llm_engine.abort_request(ids)
@@ -72,12 +87,14 @@ class LLM:
     def chat(self, messages, sampling_params=None, use_tqdm: bool = False,
              add_generation_prompt: bool = True, *, chat_template: str | None = None,
              chat_template_kwargs: dict | None = None,
-             continue_final_message: bool = False) -> list[RequestOutput]:
+             continue_final_message: bool = False,
+             reasoning_parser: str | None = None) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of them.
         `chat_template` replaces the tokenizer's template (Jinja text);
         `chat_template_kwargs` are extra template variables, such as
         {"enable_thinking": False}; `continue_final_message` continues the last message
-        (pass add_generation_prompt=False with it)."""
+        (pass add_generation_prompt=False with it); `reasoning_parser` as in generate()."""
+        parser = self._reasoning_parser(reasoning_parser, chat_template_kwargs)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         engine = self.llm_engine
         texts = [engine.render_chat_text(
@@ -85,8 +102,8 @@ class LLM:
             chat_template_kwargs=chat_template_kwargs,
             continue_final_message=continue_final_message) for c in conversations]
         # one tokenizer call for all of them (the template wrote the special tokens)
-        return self.generate(engine.encode_prompts(texts, add_special_tokens=False),
-                             sampling_params, use_tqdm)
+        return self._generate(engine.encode_prompts(texts, add_special_tokens=False),
+                              sampling_params, use_tqdm, parser)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -154,6 +154,9 @@ class CompletionOutput:
     finish_reason: str | None  # "stop" | "length" | "error"
     stop_reason: int | str | None = None
     metrics: RequestMetrics | None = None  # this sample's own timeline
+    # with a reasoning parser: the text inside the think tags (None where the output had
+    # none); `text` is then the answer after them
+    reasoning_content: str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -101,6 +101,9 @@ class SamplingParams:
     # lives there)
     choice_token_ids: list[list[int]] | None = field(default=None, repr=False)
     regex_guide: object = field(default=None, repr=False, compare=False)
+    # set by the engine for structured outputs after reasoning: the token that ends the
+    # reasoning, after which the structure starts (before it, sampling is unconstrained)
+    reasoning_end_token_id: int | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -11,7 +11,8 @@ PACKAGE = Path(batchinfer.__file__).parent
 # lowest first; a module's layer is that of the longest prefix listed
 LAYERS = [
     ["batchinfer.config", "batchinfer.outputs", "batchinfer.sampling_params",
-     "batchinfer.paths", "batchinfer.flags", "batchinfer.structured", "batchinfer.data"],
+     "batchinfer.paths", "batchinfer.flags", "batchinfer.structured", "batchinfer.data",
+     "batchinfer.reasoning"],
     ["batchinfer.kernels"],
     ["batchinfer.model", "batchinfer.attention"],
     ["batchinfer.engine"],

@@ -25,6 +25,7 @@ from batchinfer.model.loader import (hf_config, hf_tokenizer, resolve_model_path
                                      resolve_tokenizer_path)
 from batchinfer.model.parallel import PipelineParallel, TensorParallel, stage_layers
 from batchinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from batchinfer.reasoning import END_TAG, ReasoningParser
 from batchinfer.sampling_params import SamplingParams
 from batchinfer.structured.regex_guide import RegexGuide, VocabBytes, token_bytes
 
@@ -114,10 +115,13 @@ class LLMEngine:
     # ---- requests --------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None, *,
-                    prompt_token_ids: list[int] | None = None) -> None:
+                    prompt_token_ids: list[int] | None = None,
+                    reasoning_parser: ReasoningParser | None = None) -> None:
         """Queue a prompt. A bad prompt does not raise: it comes back from step() as an
         output with .error set and finish_reason "error". `prompt_token_ids`: a text
-        prompt's ids, already encoded (encode_prompts); the text is kept for the output."""
+        prompt's ids, already encoded (encode_prompts); the text is kept for the output.
+        `reasoning_parser` (get_reasoning_parser): the completions' text is split into
+        reasoning_content and the answer, and a structured output constrains the answer."""
         # n > 1 samples run as requests "ID#0", "ID#1", ...: none may share an id either
         child_ids = ([request_id] if params.n == 1
                      else [f"{request_id}#{i}" for i in range(params.n)])
@@ -135,6 +139,10 @@ class LLMEngine:
                 prompt if prompt_token_ids is None else prompt_token_ids), params)
             self.check_params(params)
             params = self._resolve_choices(params)
+            in_reasoning = (reasoning_parser is not None
+                            and reasoning_parser.starts_in_reasoning(token_ids))
+            if in_reasoning and params.structured_outputs is not None:
+                params = self._after_reasoning(params, reasoning_parser)
             if len(token_ids) >= self.max_model_len:
                 raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is "
                                  f"{self.max_model_len} (room for at least one output token "
@@ -157,7 +165,8 @@ class LLMEngine:
                     self.tokenizer, child_params.stop, child_params.skip_special_tokens,
                     child_params.include_stop_str_in_output)
             children.append(child)
-        self.output_processor.add(request_id, text, token_ids, children)
+        self.output_processor.add(request_id, text, token_ids, children,
+                                  (reasoning_parser, in_reasoning) if reasoning_parser else None)
         for child in children:
             self.scheduler.add_request(child)
 
@@ -214,6 +223,21 @@ class LLMEngine:
                 raise ValueError(f"choice {text!r} holds an end-of-sequence or stop token, "
                                  "or a token beyond the model's vocabulary")
         return params.clone(choice_token_ids=choices)
+
+    def get_reasoning_parser(self, name: str,
+                             chat_template_kwargs: dict | None = None) -> ReasoningParser:
+        """The reasoning parser `name` (deepseek_r1 or qwen3; ValueError for another) over
+        this engine's tokenizer; chat_template_kwargs: those the prompts were rendered with
+        (qwen3 reads enable_thinking)."""
+        return ReasoningParser(name, self.tokenizer, chat_template_kwargs)
+
+    @staticmethod
+    def _after_reasoning(params: SamplingParams, parser: ReasoningParser) -> SamplingParams:
+        """params whose structured output starts after the reasoning's end token."""
+        if parser.end_token_id is None:
+            raise ValueError(f"structured outputs after reasoning need {END_TAG} to be one "
+                             "token of the tokenizer's vocabulary, and it is not")
+        return params.clone(reasoning_end_token_id=parser.end_token_id)
 
     def _regex_guide(self, pattern: str) -> RegexGuide:
         """The pattern's guide, kept for the next requests with it (the most recent

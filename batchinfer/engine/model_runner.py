@@ -27,6 +27,7 @@ from batchinfer.model.loader import load_model, weight_bytes
 from batchinfer.engine import pipeline
 from batchinfer.model.parallel import PipelineParallel, TensorParallel
 from batchinfer.sampling_params import SamplingParams
+from batchinfer.structured.after_reasoning import AfterReasoning
 from batchinfer.structured.choice import ChoiceTrie
 from batchinfer.structured.regex_guide import RegexMatcher
 
@@ -50,13 +51,17 @@ class RunnerRequest:
         self._constraint_tensors = None
 
     @cached_property
-    def structure(self) -> ChoiceTrie | RegexMatcher | None:
+    def structure(self) -> ChoiceTrie | RegexMatcher | AfterReasoning | None:
         """What may come next in a structured output: a choice's trie or a regex's
-        matcher (made where the request is sampled)."""
+        matcher (made where the request is sampled), from the end of the reasoning where
+        the request has one."""
         p = self.params
-        return (ChoiceTrie(p.choice_token_ids) if p.choice_token_ids
-                else RegexMatcher(p.regex_guide) if p.regex_guide is not None
-                else None)
+        inner = (ChoiceTrie(p.choice_token_ids) if p.choice_token_ids
+                 else RegexMatcher(p.regex_guide) if p.regex_guide is not None
+                 else None)
+        if inner is not None and p.reasoning_end_token_id is not None:
+            return AfterReasoning(inner, p.reasoning_end_token_id)
+        return inner
 
     def constraint_tensors(self, device: torch.device):
         """(allowed ids, (bias ids, bias values)) as tensors on device, made once; None

@@ -9,6 +9,7 @@ from typing import Any
 from batchinfer.engine.model_runner import RunnerOutput
 from batchinfer.engine.request import Request, RequestStatus
 from batchinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from batchinfer.reasoning import ReasoningParser
 
 
 @dataclass
@@ -18,6 +19,8 @@ class _Parent:
     prompt: str | None
     prompt_token_ids: list[int]
     children: list[Request]
+    # (parser, whether the output starts inside the reasoning), with a reasoning parser
+    reasoning: tuple[ReasoningParser, bool] | None = None
     done: dict[int, CompletionOutput] = field(default_factory=dict)
 
 
@@ -33,8 +36,10 @@ class OutputProcessor:
         self._token_texts: dict[int, str] = {}
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-            children: list[Request]) -> None:
-        self.parents[request_id] = _Parent(request_id, prompt, prompt_token_ids, children)
+            children: list[Request],
+            reasoning: tuple[ReasoningParser, bool] | None = None) -> None:
+        self.parents[request_id] = _Parent(request_id, prompt, prompt_token_ids, children,
+                                           reasoning)
 
     def pop(self, request_id: str) -> list[Request]:
         """Forget an aborted call; its sample streams."""
@@ -74,17 +79,26 @@ class OutputProcessor:
     def finish(self, req: Request) -> RequestOutput | None:
         """Record a finished sample stream; its call's output once all its samples are."""
         parent = self.parents[req.parent_id]
-        if req.detokenizer is not None:
-            text = req.detokenizer.text
-        else:
-            ids = req.output_token_ids
-            if (req.status == RequestStatus.FINISHED_STOPPED
-                    and not req.params.include_stop_str_in_output):
-                ids = ids[:-1]  # as in vLLM, a stop token's text is left out by default
-            text = self.tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens)
+        ids = req.output_token_ids
+        by_token = (req.status == RequestStatus.FINISHED_STOPPED
+                    and not isinstance(req.stop_reason, str))  # not by a stop string
+        if by_token and not req.params.include_stop_str_in_output:
+            ids = ids[:-1]  # as in vLLM, a stop token's text is left out by default
+        skip = req.params.skip_special_tokens
+
+        def decode(part):
+            return self.tokenizer.decode(part, skip_special_tokens=skip)
+
+        text = req.detokenizer.text if req.detokenizer is not None else None
+        reasoning = None
+        if parent.reasoning is not None:
+            parser, in_reasoning = parent.reasoning
+            reasoning, text = parser.split(ids, decode, in_reasoning, text)
+        elif text is None:
+            text = decode(ids)
         parent.done[req.sample_index] = CompletionOutput(
             req.sample_index, text, req.output_token_ids, req.cumulative_logprob, req.logprobs,
-            req.status.value, req.stop_reason, req.metrics)
+            req.status.value, req.stop_reason, req.metrics, reasoning)
         if len(parent.done) < len(parent.children):
             return None
         del self.parents[parent.request_id]

@@ -9,6 +9,7 @@ from batchinfer import flags
 from batchinfer.job.config_file import load_job_file
 from batchinfer.job.errors import JobError
 from batchinfer.job.options import OUTPUT_FORMATS, JobOptions
+from batchinfer.reasoning import REASONING_PARSERS
 
 
 class FatalError(click.ClickException):
@@ -61,6 +62,9 @@ def _options(f):
           help="Every completion matches this regular expression."),
         O("--json-schema", metavar="JSON",
           help="Every completion is a JSON instance of this schema (@FILE reads a file)."),
+        O("--reasoning-parser", type=click.Choice(REASONING_PARSERS),
+          help="deepseek_r1 or qwen3: the text inside <think>...</think> goes to a "
+               "`reasoning` column, the answer after it to `completion`."),
         # EngineConfig (batchinfer/flags.py)
         flags.options(flags.ENGINE_NAMES),
         flags.options(flags.NODE_NAMES),

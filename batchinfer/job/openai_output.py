@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 from batchinfer.job.durable import fsync_dir
 from batchinfer.job.prompts import COMPLETIONS_URL
 
-_COLUMNS = ("id", "sample_index", "url", "body", "completion", "finish_reason",
+_COLUMNS = ("id", "sample_index", "url", "body", "completion", "reasoning", "finish_reason",
             "prompt_tokens", "output_tokens", "error", "logprobs", "prompt_logprobs")
 
 
@@ -129,6 +129,12 @@ def response_line(group: list[dict[str, Any]], model: str, created: int,
             choice["message"] = {"role": "assistant", "content": row["completion"]}
         else:
             choice["text"] = row["completion"]
+        if "reasoning" in row:  # --reasoning-parser: as vLLM's server writes it
+            if is_chat:
+                choice["message"]["content"] = row["completion"] or None
+                choice["message"]["reasoning_content"] = row["reasoning"]
+            else:
+                choice["reasoning_content"] = row["reasoning"]
         steps = row.get("logprobs")
         logprobs = None
         if steps and sampled_first:

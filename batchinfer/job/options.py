@@ -53,6 +53,7 @@ class JobOptions:
     choice: list[str] | None = None
     regex: str | None = None
     json_schema: str | None = None
+    reasoning_parser: str | None = None
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
     ignore_eos: bool | None = None
@@ -124,6 +125,12 @@ class JobOptions:
             if not getattr(self, name):
                 what = "INPUT" if name == "input" else flag(name)
                 raise JobError(f"missing {what}: give it on the command line or in the job file")
+        if self.reasoning_parser is not None:
+            from batchinfer.reasoning import check_parser_name
+            try:
+                check_parser_name(self.reasoning_parser)
+            except ValueError as e:
+                raise JobError(f"--reasoning-parser: {e}") from None
         checks = [
             ("reorder_window", self.reorder_window >= 0, "must be >= 0"),
             ("max_row_bytes", self.max_row_bytes >= 1, "must be >= 1"),
@@ -320,6 +327,7 @@ class JobOptions:
             if (self.system_prompt or "").startswith("@") else self.system_prompt,
             "chat_template": digest_of_text(self.chat_template_text()),
             "chat_template_kwargs": self.template_kwargs(),
+            "reasoning_parser": self.reasoning_parser,
             "id_column": self.id_column,
             "save_token_ids": self.save_token_ids,
             "sampling": params,

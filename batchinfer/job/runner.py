@@ -41,6 +41,7 @@ from batchinfer.job.signals import StopSignals
 from batchinfer.job.summary import compute_summary, print_table, write_summary
 from batchinfer.job.writer import PartWriter, error_rows, output_schema, sample_rows
 from batchinfer.outputs import RequestOutput
+from batchinfer.reasoning import END_TAG, ReasoningParser
 from batchinfer.sampling_params import SamplingParams
 
 class Engine(Protocol):
@@ -58,7 +59,11 @@ class Engine(Protocol):
                        add_special_tokens: bool = True) -> list[list[int]]: ...
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None: ...
+                    arrival_time: float | None = None, *,
+                    reasoning_parser: ReasoningParser | None = None) -> None: ...
+
+    def get_reasoning_parser(self, name: str,
+                             chat_template_kwargs: dict | None = None) -> ReasoningParser: ...
 
     def step(self) -> list[RequestOutput]: ...
 
@@ -137,7 +142,8 @@ def _plan(options: JobOptions, source: Source, outdir: OutputDir) -> _Plan:
         # are always there
         schema = output_schema(input_schema, spec, options.save_token_ids,
                                options.logprobs is not None or spec.mode == "openai",
-                               options.prompt_logprobs is not None or spec.mode == "openai")
+                               options.prompt_logprobs is not None or spec.mode == "openai",
+                               options.reasoning_parser is not None)
         manifest = Manifest(fingerprint(job), job, spec.as_dict(), schema_to_json(input_schema),
                             sorted(json_columns), schema_to_json(schema), inspection.num_rows)
         plan = _Plan(spec, input_schema, json_columns, manifest, fresh=True)
@@ -241,8 +247,17 @@ def _run_engine(options: JobOptions, source: Source, plan: _Plan, writer: PartWr
             engine.check_params(options.sampling_params())
         except ValueError as e:
             raise JobError(re.sub(r"^(\w+)", lambda m: flag(m.group(1)), str(e))) from None
+        parser = None
+        if options.reasoning_parser is not None:
+            parser = engine.get_reasoning_parser(options.reasoning_parser,
+                                                 options.template_kwargs())
+            if options.sampling_params().structured_outputs is not None \
+                    and parser.end_token_id is None:
+                raise JobError(f"--reasoning-parser {options.reasoning_parser}: a constraint "
+                               f"applies after {END_TAG}, which is not one token of the "
+                               "model's tokenizer")
         progress = Progress(total, len(done), options.progress, err, options.progress_interval)
-        loop = _Loop(options, source, plan, writer, done, engine, metrics, progress)
+        loop = _Loop(options, source, plan, writer, done, engine, metrics, progress, parser)
         try:
             return loop.run(stop)
         finally:
@@ -256,11 +271,14 @@ class _Loop:
     """Reads rows into the reorder window, keeps the engine fed, records what finishes."""
 
     def __init__(self, options: JobOptions, source: Source, plan: _Plan, writer: PartWriter,
-                 done: RangeSet, engine: Engine, metrics: JobMetrics, progress: Progress):
+                 done: RangeSet, engine: Engine, metrics: JobMetrics, progress: Progress,
+                 reasoning_parser: ReasoningParser | None = None):
         self.options = options
         self.writer = writer
         self.logprobs = "logprobs" in writer.schema.names
         self.prompt_logprobs = "prompt_logprobs" in writer.schema.names
+        self.reasoning = "reasoning" in writer.schema.names
+        self.reasoning_parser = reasoning_parser
         self.engine = engine
         self.metrics = metrics
         self.progress = progress
@@ -330,14 +348,19 @@ class _Loop:
             if params.prompt_logprobs is not None and not self.prompt_logprobs:
                 # an OpenAI line's ask, in a job whose output predates the columns
                 params = params.clone(prompt_logprobs=None)
-            self.engine.add_request(request_id, item.prompt.tolist(), params)
+            if self.reasoning_parser is None:  # (an engine may not take the argument)
+                self.engine.add_request(request_id, item.prompt.tolist(), params)
+            else:
+                self.engine.add_request(request_id, item.prompt.tolist(), params,
+                                        reasoning_parser=self.reasoning_parser)
             self.inflight[request_id] = item
 
     def step(self) -> None:
         for output in self.engine.step():
             item = self.inflight.pop(output.request_id)
             self.record(item, sample_rows(item, output, self.options.save_token_ids,
-                                          self.logprobs, self.prompt_logprobs))
+                                          self.logprobs, self.prompt_logprobs,
+                                          self.reasoning))
         self.metrics.observe_engine(self.engine.stats())
 
     def record(self, item: WorkItem, rows: list[dict[str, Any]]) -> None:

@@ -38,13 +38,17 @@ LOGPROB_FIELDS = [pa.field("cumulative_logprob", pa.float64()),
 # per prompt token (null for the first): the token's logprob first, then the top K there
 PROMPT_LOGPROB_FIELDS = [pa.field("prompt_logprob_sum", pa.float64()),
                          pa.field("prompt_logprobs", pa.list_(pa.list_(LOGPROB_ENTRY)))]
+REASONING_FIELD = pa.field("reasoning", pa.string())  # with --reasoning-parser
 FLAT_COLUMNS = ("logprobs", "prompt_logprobs")  # rows may hold FlatLogprobs (to_table)
 
 
 def output_schema(input_schema: pa.Schema, spec: PromptSpec, save_token_ids: bool,
-                  logprobs: bool, prompt_logprobs: bool = False) -> pa.Schema:
-    """Every input column unchanged, then `id`, the per-sample stats and optional lists."""
-    added = [pa.field("id", _id_type(input_schema, spec)), *STAT_FIELDS]
+                  logprobs: bool, prompt_logprobs: bool = False,
+                  reasoning: bool = False) -> pa.Schema:
+    """Every input column unchanged, then `id`, the per-sample stats (with `reasoning`
+    after `completion` where asked) and optional lists."""
+    stats = STAT_FIELDS[:2] + [REASONING_FIELD] + STAT_FIELDS[2:] if reasoning else STAT_FIELDS
+    added = [pa.field("id", _id_type(input_schema, spec)), *stats]
     if save_token_ids:
         added += TOKEN_ID_FIELDS
     if logprobs:
@@ -81,7 +85,8 @@ def error_rows(item: WorkItem) -> list[dict[str, Any]]:
 
 
 def sample_rows(item: WorkItem, out: RequestOutput, save_token_ids: bool,
-                logprobs: bool, prompt_logprobs: bool = False) -> list[dict[str, Any]]:
+                logprobs: bool, prompt_logprobs: bool = False,
+                reasoning: bool = False) -> list[dict[str, Any]]:
     """One row per completion of a finished request (one row if the request failed)."""
     prompt_tokens = len(out.prompt_token_ids) or None
     if out.error is not None:
@@ -99,6 +104,8 @@ def sample_rows(item: WorkItem, out: RequestOutput, save_token_ids: bool,
         if m is not None:
             row.update(queue_s=m.queue_s, ttft_s=m.ttft_s, tpot_s=m.tpot_s(len(c.token_ids)),
                        e2e_s=m.e2e_s)
+        if reasoning:
+            row["reasoning"] = c.reasoning_content
         if save_token_ids:
             row.update(prompt_token_ids=out.prompt_token_ids, token_ids=c.token_ids)
         if logprobs:  # FlatLogprobs go to to_table as they are

@@ -2,7 +2,8 @@
 
 It lets the job machinery (reading, ordering, committing, metrics) be tested at scale
 without a model: each step finishes up to max_num_seqs requests; the completion is a
-deterministic function of the prompt, so runs can be compared.
+deterministic function of the prompt, so runs can be compared. A prompt holding
+"|reply:" is completed with the text after it instead (less a chat prompt's "<assistant>").
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from batchinfer.reasoning import ReasoningParser
 from batchinfer.sampling_params import SamplingParams
 
 
@@ -27,32 +29,41 @@ class FakeTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(ids).decode("utf-8", "replace")
+
 
 class FakeEngine:
     def __init__(self, max_num_seqs: int = 64, max_model_len: int = 1 << 20):
         self.config = FakeConfig(max_num_seqs, max_model_len)
         self.tokenizer = FakeTokenizer()
-        self._queue: deque[tuple[str, list[int], SamplingParams, float, str | None]] = deque()
+        self._queue: deque[tuple] = deque()
 
     @classmethod
     def factory(cls, model: str, kwargs: dict[str, Any]) -> "FakeEngine":
         return cls(kwargs.get("max_num_seqs", 64), kwargs.get("max_model_len") or 1 << 20)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, *,
+                    reasoning_parser: ReasoningParser | None = None) -> None:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         error = None
         if not ids:
             error = "prompt has no tokens"
         elif len(ids) >= self.config.max_model_len:
             error = f"prompt has {len(ids)} tokens but max_model_len is {self.config.max_model_len}"
-        self._queue.append((request_id, ids, params, arrival_time or time.monotonic(), error))
+        self._queue.append((request_id, ids, params, arrival_time or time.monotonic(), error,
+                            reasoning_parser))
+
+    def get_reasoning_parser(self, name: str,
+                             chat_template_kwargs: dict | None = None) -> ReasoningParser:
+        return ReasoningParser(name, self.tokenizer, chat_template_kwargs)
 
     def step(self) -> list[RequestOutput]:
         outputs = []
         now = time.monotonic()
         for _ in range(min(self.config.max_num_seqs, len(self._queue))):
-            request_id, ids, params, arrival, error = self._queue.popleft()
+            request_id, ids, params, arrival, error, parser = self._queue.popleft()
             metrics = RequestMetrics(arrival, now, now, now)
             if error is not None:
                 outs = [CompletionOutput(0, "", [], None, None, "error", metrics=metrics)]
@@ -60,9 +71,20 @@ class FakeEngine:
                 continue
             length = min(params.max_tokens or 16, 4)
             tokens = ids[-length:]
-            outs = [CompletionOutput(i, f"echo{i}:" + bytes(tokens).decode("utf-8", "replace"),
-                                     tokens, None, None, "length", metrics=metrics)
-                    for i in range(params.n)]
+            text = bytes(ids).decode("utf-8", "replace")
+            if "|reply:" in text:
+                reply = text.split("|reply:", 1)[1].removesuffix("<assistant>")
+                tokens = self.tokenizer.encode(reply)
+                texts = [reply] * params.n
+            else:
+                texts = [f"echo{i}:" + bytes(tokens).decode("utf-8", "replace")
+                         for i in range(params.n)]
+            outs = [CompletionOutput(i, t, tokens, None, None, "length", metrics=metrics)
+                    for i, t in enumerate(texts)]
+            if parser is not None:
+                for o in outs:
+                    o.reasoning_content, o.text = parser.split(
+                        o.token_ids, self.tokenizer.decode, parser.starts_in_reasoning(ids))
             outputs.append(RequestOutput(request_id, None, ids, outs, True, 0, metrics))
         return outputs
 

@@ -16,7 +16,7 @@ METHODS = [name for name, value in vars(Engine).items()
 
 def test_the_protocol_names_what_the_job_calls():
     assert set(METHODS) == {"check_params", "render_chat_text", "encode_prompts",
-                            "add_request", "step", "stats", "shutdown"}
+                            "add_request", "step", "stats", "shutdown", "get_reasoning_parser"}
 
 
 @pytest.mark.parametrize("engine", [LLMEngine, FakeEngine], ids=["LLMEngine", "FakeEngine"])
