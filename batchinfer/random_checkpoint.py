@@ -152,6 +152,17 @@ SHAPES: dict[str, dict[str, Any]] = {
         max_position_embeddings=2048, rope_theta=1000000.0, use_sliding_window=False,
         rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.15,
     ),
+    # test-qwen2 with YaRN, as Qwen2.5's long-context configs set it: a 4x extension of an
+    # original context far shorter than the test prompts.
+    "test-qwen2-yarn": dict(
+        model_type="qwen2", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=192, vocab_size=1280,
+        max_position_embeddings=512, rope_theta=1000000.0,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                      "original_max_position_embeddings": 128},
+        use_sliding_window=False, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        initializer_range=0.15,
+    ),
     # RMSNorm on q and k per head; explicit head_dim.
     "test-qwen3": dict(
         model_type="qwen3", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,

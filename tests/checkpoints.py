@@ -30,6 +30,7 @@ CHECKPOINTS: dict[str, dict[str, Any]] = {
     "llama": dict(shape="test-llama"),
     "mistral": dict(shape="test-mistral"),
     "qwen2": dict(shape="test-qwen2"),
+    "qwen2_yarn": dict(shape="test-qwen2-yarn"),
     "qwen3": dict(shape="test-qwen3"),
     "phi3": dict(shape="test-phi3"),
     "phi4_mini": dict(shape="test-phi4-mini"),

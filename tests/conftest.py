@@ -69,6 +69,11 @@ def qwen2_dir(checkpoint_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen2_yarn_dir(checkpoint_root: Path) -> Path:
+    return checkpoints.build_checkpoint("qwen2_yarn", checkpoint_root)
+
+
+@pytest.fixture(scope="session")
 def qwen3_dir(checkpoint_root: Path) -> Path:
     return checkpoints.build_checkpoint("qwen3", checkpoint_root)
 

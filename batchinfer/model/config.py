@@ -224,6 +224,14 @@ def _rope_parameters(config, layer_type: str = "full_attention") -> dict:
                           or config.max_position_embeddings)
         params.setdefault("factor", config.max_position_embeddings
                           / params["original_max_position_embeddings"])
+    if params["rope_type"] == "yarn":
+        # as transformers: a top-level original_max_position_embeddings wins
+        original = (getattr(config, "original_max_position_embeddings", None)
+                    or params.get("original_max_position_embeddings")
+                    or config.max_position_embeddings)
+        params["original_max_position_embeddings"] = original
+        if params.get("factor") is None:
+            params["factor"] = config.max_position_embeddings / original
     return params
 
 

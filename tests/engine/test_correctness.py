@@ -38,7 +38,8 @@ def _check(model_dir, **engine_args) -> LLM:
     return llm
 
 
-@pytest.mark.parametrize("fixture", ["llama_dir", "mistral_dir", "qwen2_dir", "qwen3_dir",
+@pytest.mark.parametrize("fixture", ["llama_dir", "mistral_dir", "qwen2_dir", "qwen2_yarn_dir",
+                                     "qwen3_dir",
                                      "phi3_dir", "phi4_mini_dir", "gemma3_dir", "mixtral_dir",
                                      "qwen3_moe_dir"])
 def test_matches_transformers(fixture, request):

@@ -2,6 +2,8 @@
 fills in, and each architecture's differences as the layers read them."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from batchinfer.model.config import LayerConfig, MoEConfig, ModelConfig
@@ -99,6 +101,33 @@ def test_rope_settings_per_layer_type_and_longrope_limit():
     phi4 = config("test-phi4-mini")
     assert phi4.short_context_limit == 1024
     assert phi4.rope["full_attention"]["partial_rotary_factor"] == 0.75
+
+
+def older_config(shape: str, **changes) -> ModelConfig:
+    """The shape's config as older transformers give it: rope_theta and rope_scaling."""
+    hf = SimpleNamespace(**make_config(shape).to_dict())
+    hf.rope_parameters = None
+    hf.rope_theta = 1e6
+    for name, value in changes.items():
+        setattr(hf, name, value)
+    return ModelConfig.from_hf(hf)
+
+
+def test_yarn_under_the_older_keys_and_phi3s_old_name_for_longrope():
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
+    qwen = older_config("test-qwen2", rope_scaling=yarn)
+    assert qwen.rope["full_attention"] == {
+        "type": "yarn", "rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+        "original_max_position_embeddings": 128, "partial_rotary_factor": 1.0}
+    assert qwen.short_context_limit is None  # YaRN runs to max_position_embeddings
+    # no factor: the ratio of the context lengths; a top-level original length wins
+    implied = older_config("test-qwen2", original_max_position_embeddings=256, rope_scaling={
+        "type": "yarn", "original_max_position_embeddings": 128})
+    assert implied.rope["full_attention"]["original_max_position_embeddings"] == 256
+    assert implied.rope["full_attention"]["factor"] == 2048 / 256
+    phi3 = older_config("test-phi3", rope_scaling={
+        "type": "yarn", "short_factor": [1.0] * 16, "long_factor": [4.0] * 16})
+    assert phi3.rope["full_attention"]["rope_type"] == "longrope"
 
 
 def test_mixture_of_experts_blocks():
