@@ -34,6 +34,7 @@ CHECKPOINTS: dict[str, dict[str, Any]] = {
     "qwen3": dict(shape="test-qwen3"),
     "phi3": dict(shape="test-phi3"),
     "phi4_mini": dict(shape="test-phi4-mini"),
+    "gemma2": dict(shape="test-gemma2"),
     "gemma3": dict(shape="test-gemma3"),
     "mixtral": dict(shape="test-mixtral"),
     "qwen3_moe": dict(shape="test-qwen3-moe"),

@@ -89,6 +89,11 @@ def phi4_mini_dir(checkpoint_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma2_dir(checkpoint_root: Path) -> Path:
+    return checkpoints.build_checkpoint("gemma2", checkpoint_root)
+
+
+@pytest.fixture(scope="session")
 def gemma3_dir(checkpoint_root: Path) -> Path:
     return checkpoints.build_checkpoint("gemma3", checkpoint_root)
 

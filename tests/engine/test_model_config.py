@@ -42,6 +42,14 @@ def test_head_dim_defaults_to_hidden_size_over_heads_and_sets_the_scale():
     assert mistral.head_dim == 64 // 4
     assert llama.attention_scale == 32 ** -0.5 and mistral.attention_scale == 16 ** -0.5
     assert config("test-gemma3").attention_scale == 48 ** -0.5  # query_pre_attn_scalar
+    assert config("test-gemma2").attention_scale == 48 ** -0.5
+
+
+def test_soft_capping_only_where_the_config_sets_it():
+    gemma2 = config("test-gemma2")
+    assert (gemma2.attn_softcap, gemma2.logit_softcap) == (10.0, 8.0)
+    for shape in ("test-gemma3", "test-llama"):
+        assert (config(shape).attn_softcap, config(shape).logit_softcap) == (None, None)
 
 
 @pytest.mark.parametrize("shape, windows", [
@@ -50,6 +58,7 @@ def test_head_dim_defaults_to_hidden_size_over_heads_and_sets_the_scale():
     ("test-phi3", [96, 96]),
     ("test-phi4-mini", [None, None]),           # no window set
     ("test-qwen2", [None, None]),               # use_sliding_window off
+    ("test-gemma2", [48, None, 48]),            # by layer type (transformers: even layers)
     ("test-gemma3", [48, None, 48]),            # by layer type
 ])
 def test_sliding_windows_per_layer(shape, windows):
@@ -70,6 +79,7 @@ def test_qwen2_window_from_max_window_layers():
     ("test-phi3", False, False, False),
     ("test-mixtral", False, False, False),
     ("test-qwen3-moe", False, True, False),
+    ("test-gemma2", False, False, True),
     ("test-gemma3", False, True, True),
 ])
 def test_architecture_differences(shape, qkv_bias, qk_norm, gemma):
@@ -169,7 +179,6 @@ def test_a_config_without_architectures_goes_by_its_model_type():
 
 @pytest.mark.parametrize("change, message", [
     (dict(architectures=["GPT2LMHeadModel"], model_type="gpt2"), "not supported; supported"),
-    (dict(final_logit_softcapping=30.0), "final_logit_softcapping is not supported"),
     (dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
     (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0}),
      "rope type 'dynamic' is not supported"),
