@@ -190,6 +190,8 @@ def _sliding_window(config, arch: _Arch, layer_idx: int) -> int | None:
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
         return int(window) if layer_types[layer_idx] == "sliding_attention" else None
+    if config.model_type == "gemma2":  # before transformers named the layer types
+        return int(window) if layer_idx % 2 == 0 else None
     if getattr(config, "use_sliding_window", False):
         return int(window) if layer_idx >= getattr(config, "max_window_layers", 0) else None
     return None

@@ -123,6 +123,11 @@ def older_config(shape: str, **changes) -> ModelConfig:
     return ModelConfig.from_hf(hf)
 
 
+def test_gemma2_windows_on_even_layers_where_the_config_names_no_layer_types():
+    gemma2 = older_config("test-gemma2", layer_types=None)
+    assert [layer.sliding_window for layer in gemma2.layers] == [48, None, 48]
+
+
 def test_yarn_under_the_older_keys_and_phi3s_old_name_for_longrope():
     yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
     qwen = older_config("test-qwen2", rope_scaling=yarn)
