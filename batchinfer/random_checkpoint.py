@@ -22,6 +22,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
     Gemma3TextConfig,
     GenerationConfig,
     LlamaConfig,
@@ -152,6 +153,17 @@ SHAPES: dict[str, dict[str, Any]] = {
         max_position_embeddings=2048, rope_theta=1000000.0, use_sliding_window=False,
         rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.15,
     ),
+    # test-qwen2 with YaRN, as Qwen2.5's long-context configs set it: a 4x extension of an
+    # original context far shorter than the test prompts.
+    "test-qwen2-yarn": dict(
+        model_type="qwen2", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=192, vocab_size=1280,
+        max_position_embeddings=512, rope_theta=1000000.0,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                      "original_max_position_embeddings": 128},
+        use_sliding_window=False, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        initializer_range=0.15,
+    ),
     # RMSNorm on q and k per head; explicit head_dim.
     "test-qwen3": dict(
         model_type="qwen3", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -201,6 +213,18 @@ SHAPES: dict[str, dict[str, Any]] = {
         rope_theta=1000000.0, use_sliding_window=False, rms_norm_eps=1e-6,
         tie_word_embeddings=False, initializer_range=0.15,
     ),
+    # Gemma 2: sliding (even) and full attention layers by transformers' default rule, scores
+    # and final logits soft-capped with caps the random weights' values often pass, Gemma's
+    # norms around both sublayers, a query scale that is not head_dim's, GELU, embeddings
+    # scaled by sqrt(hidden_size).
+    "test-gemma2": dict(
+        model_type="gemma2", hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, intermediate_size=192, vocab_size=1700,
+        max_position_embeddings=2048, query_pre_attn_scalar=48, sliding_window=48,
+        attn_logit_softcapping=10.0, final_logit_softcapping=8.0,
+        rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        initializer_range=0.15,
+    ),
     # Gemma 3: sliding and full attention layers, each type with its own rope (linear
     # scaling on the full ones), norms offset from 1 around both sublayers, q/k norm, a
     # query scale that is not head_dim's, GELU, embeddings scaled by sqrt(hidden_size).
@@ -222,6 +246,7 @@ CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "qwen2": Qwen2Config,
     "qwen3": Qwen3Config,
     "phi3": Phi3Config,
+    "gemma2": Gemma2Config,
     "gemma3_text": Gemma3TextConfig,
     "mixtral": MixtralConfig,
     "qwen3_moe": Qwen3MoeConfig,

@@ -69,6 +69,11 @@ def qwen2_dir(checkpoint_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen2_yarn_dir(checkpoint_root: Path) -> Path:
+    return checkpoints.build_checkpoint("qwen2_yarn", checkpoint_root)
+
+
+@pytest.fixture(scope="session")
 def qwen3_dir(checkpoint_root: Path) -> Path:
     return checkpoints.build_checkpoint("qwen3", checkpoint_root)
 
@@ -81,6 +86,11 @@ def phi3_dir(checkpoint_root: Path) -> Path:
 @pytest.fixture(scope="session")
 def phi4_mini_dir(checkpoint_root: Path) -> Path:
     return checkpoints.build_checkpoint("phi4_mini", checkpoint_root)
+
+
+@pytest.fixture(scope="session")
+def gemma2_dir(checkpoint_root: Path) -> Path:
+    return checkpoints.build_checkpoint("gemma2", checkpoint_root)
 
 
 @pytest.fixture(scope="session")

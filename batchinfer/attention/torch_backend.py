@@ -18,6 +18,10 @@ two partial results are merged by their log-sum-exp (the C decode kernels take t
 result as their starting point and merge as they go). That removes the shared part from
 every per-sequence copy, which on CPU is most of the cost.
 
+Soft-capped scores (Gemma 2: cap * tanh(scores / cap), before the mask) are not in the C
+kernels nor in torch's flash kernel: such layers run every part in plain tensor ops
+(_math_attention_with_lse), still planned, gathered and merged as above.
+
 An FP8 cache (kernels/fp8.py) is written as E4M3 codes of k / k_scale and v / v_scale; the
 C kernels read it as it is, and what torch reads is gathered as codes (uint8: index ops on
 float8 are not implemented everywhere) and widened times the scale to the query's dtype.
@@ -56,25 +60,29 @@ def _slots(block_tables: np.ndarray, positions: np.ndarray, block_size: int) -> 
 _CPU_FLASH_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
 
-def _attention_with_lse(q, k, v, mask, scale, causal=False):
+def _attention_with_lse(q, k, v, mask, scale, causal=False, softcap=None):
     """(out, logsumexp) of attention; q [B, H, L, D], k/v [B, Hkv, S, D] with H a multiple
     of Hkv (query head h reads KV head h // (H / Hkv)), mask additive or None; causal (with
-    L == S and no mask): query i sees keys [0, i]."""
-    if q.device.type == "cpu" and (k.shape[1] == q.shape[1] or _CPU_FLASH_GQA):
+    L == S and no mask): query i sees keys [0, i]; softcap: scores capped by it (tanh)."""
+    if q.device.type == "cpu" and softcap is None \
+            and (k.shape[1] == q.shape[1] or _CPU_FLASH_GQA):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, attn_mask=mask, scale=scale)[:2]
         return out, lse
     if causal:
         mask = torch.full((q.shape[2], k.shape[2]), float("-inf"), device=q.device).triu(1)
-    return _math_attention_with_lse(q, k, v, mask, scale)
+    return _math_attention_with_lse(q, k, v, mask, scale, softcap)
 
 
-def _math_attention_with_lse(q, k, v, mask, scale):
-    """_attention_with_lse in plain tensor ops, for devices without the CPU flash kernel."""
+def _math_attention_with_lse(q, k, v, mask, scale, softcap=None):
+    """_attention_with_lse in plain tensor ops, for devices without the CPU flash kernel
+    and for soft-capped scores."""
     if k.shape[1] != q.shape[1]:
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores + mask
     lse = torch.logsumexp(scores, dim=-1)
@@ -277,9 +285,10 @@ class TorchAttention:
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, sliding_window: int | None = None, k_scale: float = 1.0,
-                v_scale: float = 1.0) -> torch.Tensor:
+                v_scale: float = 1.0, softcap: float | None = None) -> torch.Tensor:
         """query [T, H, D], key/value [T, Hkv, D] -> [T, H, D]; writes key/value first
-        (None: the caller has written them). k_scale, v_scale: an FP8 cache's scales."""
+        (None: the caller has written them). k_scale, v_scale: an FP8 cache's scales;
+        softcap: scores become softcap * tanh(scores / softcap) (no C kernel then)."""
         if key is not None:
             write_kv(key, value, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         num_tokens, num_heads, head_dim = query.shape
@@ -298,7 +307,8 @@ class TorchAttention:
             return (fp8.dequantize(k.view(cache_dtype), k_scale, query.dtype),
                     fp8.dequantize(v.view(cache_dtype), v_scale, query.dtype))
 
-        decode_kernel = self._uses(cpu.decode, query, num_kv_heads, cache_dtype)
+        decode_kernel = softcap is None and self._uses(cpu.decode, query, num_kv_heads,
+                                                       cache_dtype)
         prefill_kernel = decode_kernel and self._uses(cpu.prefill, query, num_kv_heads,
                                                       cache_dtype)
         plan = self._plan(meta, sliding_window, query.dtype, head_dim, decode_kernel,
@@ -327,7 +337,8 @@ class TorchAttention:
             # shared part: every query row of the batch in one product against the shared K/V
             ks = k_flat.index_select(0, plan.shared_slots)
             vs = v_flat.index_select(0, plan.shared_slots)
-            if self._uses(cpu.shared_prefix, query, num_kv_heads, cache_dtype):
+            if softcap is None and self._uses(cpu.shared_prefix, query, num_kv_heads,
+                                              cache_dtype):
                 shared, shared_lse = cpu.shared_prefix.attention(
                     query, ks.view(cache_dtype), vs.view(cache_dtype), scale, k_scale, v_scale)
             else:
@@ -335,7 +346,8 @@ class TorchAttention:
                 qs = q.permute(1, 0, 2, 3).reshape(1, num_kv_heads, num_tokens * group,
                                                    head_dim)
                 shared, shared_lse = _attention_with_lse(
-                    qs, ks.transpose(0, 1)[None], vs.transpose(0, 1)[None], None, scale)
+                    qs, ks.transpose(0, 1)[None], vs.transpose(0, 1)[None], None, scale,
+                    softcap=softcap)
                 shared = shared.view(num_kv_heads, num_tokens, group, head_dim).transpose(0, 1)
                 shared_lse = shared_lse.view(num_kv_heads, num_tokens, group).transpose(0, 1)
             if plan.token_not_member is not None:
@@ -353,7 +365,8 @@ class TorchAttention:
             merged = nd
         for a, b, slots, width, mask in plan.decode_groups:
             k, v = gather(slots, (b - a, width))
-            o, l = _attention_with_lse(q[a:b], k.transpose(1, 2), v.transpose(1, 2), mask, scale)
+            o, l = _attention_with_lse(q[a:b], k.transpose(1, 2), v.transpose(1, 2), mask, scale,
+                                       softcap=softcap)
             out[a:b] = o
             if cascade:
                 lse[a:b] = l
@@ -374,7 +387,7 @@ class TorchAttention:
                 def attend(a: int, b: int, causal: bool):  # keys [a, b) of the group
                     o, l = _attention_with_lse(qi, k_all[a:b].transpose(0, 1)[None],
                                                v_all[a:b].transpose(0, 1)[None], mask, scale,
-                                               causal=causal)
+                                               causal=causal, softcap=softcap)
                     return o[0].transpose(0, 1), l[0].transpose(0, 1).reshape(
                         end - start, num_kv_heads, group)
 

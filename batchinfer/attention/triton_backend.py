@@ -21,9 +21,10 @@ class TritonAttention:
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, sliding_window: int | None = None, k_scale: float = 1.0,
-                v_scale: float = 1.0) -> torch.Tensor:
+                v_scale: float = 1.0, softcap: float | None = None) -> torch.Tensor:
         """query [T, H, D], key/value [T, Hkv, D] -> [T, H, D]; writes key/value first
-        (None: the caller has written them). k_scale, v_scale: an FP8 cache's scales.
+        (None: the caller has written them). k_scale, v_scale: an FP8 cache's scales;
+        softcap: scores become softcap * tanh(scores / softcap).
 
         The step's prefill tile plan and split-KV partial buffers live in meta.cache, so
         every layer after the first reuses them.
@@ -39,11 +40,12 @@ class TritonAttention:
             paged_decode_attention(query[:nd], k_cache, v_cache, meta.block_tables[:nd],
                                    meta.seq_lens[:nd], scale, sliding_window, out=out[:nd],
                                    max_seq_len=max_len, scratch=meta.cache, k_scale=k_scale,
-                                   v_scale=v_scale)
+                                   v_scale=v_scale, softcap=softcap)
         if nd < meta.num_seqs:
             paged_prefill_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                     meta.query_start_loc, scale, sliding_window, out=out,
                                     first_seq=nd,
                                     query_start_loc_cpu=meta.query_start_loc_cpu or None,
-                                    scratch=meta.cache, k_scale=k_scale, v_scale=v_scale)
+                                    scratch=meta.cache, k_scale=k_scale, v_scale=v_scale,
+                                    softcap=softcap)
         return out

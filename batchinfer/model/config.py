@@ -2,7 +2,8 @@
 
 Every supported architecture's differences are resolved here into plain fields: head_dim
 and query scale defaults, Qwen2's q/k/v biases, Qwen3's and Gemma 3's per-head q/k norms,
-Gemma 3's norms, sandwich layers and scaled embeddings, which layers see a sliding window,
+Gemma 2's and 3's norms, sandwich layers and scaled embeddings, Gemma 2's tanh soft-capping
+of attention scores and final logits, which layers see a sliding window,
 each layer's rope settings (Gemma 3: its own per layer type) and the mixture-of-experts
 blocks of Mixtral and Qwen3-MoE. A vision-language checkpoint gives its text decoder's.
 """
@@ -34,13 +35,16 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": _Arch(qk_norm=True, sliding="layer_types"),
     # q/k/v and gate/up stored fused; a sliding window on every layer when one is set
     "Phi3ForCausalLM": _Arch(sliding="all"),
+    # sliding and full attention layers, GELU, soft-capped attention scores and logits
+    "Gemma2ForCausalLM": _Arch(sliding="layer_types", gemma=True),
     # q/k norm, sliding and full attention layers with rope of their own, GELU
     "Gemma3ForCausalLM": _Arch(qk_norm=True, sliding="layer_types", gemma=True),
 }
 # the architecture of a config that names none, by its model_type
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "phi3": "Phi3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                  "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                  "gemma3_text": "Gemma3ForCausalLM",
                   "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 # vision-language checkpoints whose text decoder runs here (text prompts only)
 LANGUAGE_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
@@ -83,6 +87,8 @@ class ModelConfig:
     gemma_norms: bool             # norm weights are offsets from 1, applied in float32
     sandwich_norms: bool          # sublayer outputs normed again, the MLP's input too
     embed_scale: float | None     # embeddings multiplied by it (Gemma: sqrt(hidden_size))
+    attn_softcap: float | None    # scores (after the scale) become cap * tanh(scores / cap)
+    logit_softcap: float | None   # the LM head's logits likewise (Gemma 2)
     tie_word_embeddings: bool
     rope: dict[str, dict]         # rope settings by table (rope.RotaryEmbedding's params)
     short_context_limit: int | None  # LongRoPE: the context its short factors cover
@@ -137,6 +143,8 @@ class ModelConfig:
             gemma_norms=arch.gemma,
             sandwich_norms=arch.gemma,
             embed_scale=config.hidden_size ** 0.5 if arch.gemma else None,
+            attn_softcap=getattr(config, "attn_logit_softcapping", None),
+            logit_softcap=getattr(config, "final_logit_softcapping", None),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             rope={key: _rope_parameters(config, key) for key in sorted(set(rope_keys))},
             short_context_limit=(full["original_max_position_embeddings"]
@@ -169,9 +177,6 @@ def _architecture(config) -> str:
 
 def _check(config) -> None:
     """Refuse what the engine does not implement, naming it."""
-    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(config, name, None) is not None:
-            raise ValueError(f"{name} is not supported (Gemma 2's tanh soft-capping)")
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError("use_bidirectional_attention is not supported (embedding models)")
 
@@ -185,6 +190,8 @@ def _sliding_window(config, arch: _Arch, layer_idx: int) -> int | None:
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
         return int(window) if layer_types[layer_idx] == "sliding_attention" else None
+    if config.model_type == "gemma2":  # before transformers named the layer types
+        return int(window) if layer_idx % 2 == 0 else None
     if getattr(config, "use_sliding_window", False):
         return int(window) if layer_idx >= getattr(config, "max_window_layers", 0) else None
     return None
@@ -224,6 +231,14 @@ def _rope_parameters(config, layer_type: str = "full_attention") -> dict:
                           or config.max_position_embeddings)
         params.setdefault("factor", config.max_position_embeddings
                           / params["original_max_position_embeddings"])
+    if params["rope_type"] == "yarn":
+        # as transformers: a top-level original_max_position_embeddings wins
+        original = (getattr(config, "original_max_position_embeddings", None)
+                    or params.get("original_max_position_embeddings")
+                    or config.max_position_embeddings)
+        params["original_max_position_embeddings"] = original
+        if params.get("factor") is None:
+            params["factor"] = config.max_position_embeddings / original
     return params
 
 

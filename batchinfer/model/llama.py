@@ -1,5 +1,5 @@
 """The Llama-family decoder (Llama 2/3, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Phi-3,
-Gemma 3) as plain PyTorch.
+Gemma 2, Gemma 3) as plain PyTorch.
 
 Tokens are flat ([num_tokens, hidden]) with no padding; attention reads and writes the
 paged KV cache through the step's AttentionMetadata. The architectures' differences are
@@ -81,6 +81,7 @@ class Attention(nn.Module):
         self.q_norm = norm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = norm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.sliding_window = layer.sliding_window
+        self.softcap = config.attn_softcap
         # partial rotary embeddings: q and k heads are stored with their dimensions reordered
         self.rotary_order = partial_rotary_order(
             rotary_dim(config.rope[layer.rope], self.head_dim), self.head_dim)
@@ -120,7 +121,8 @@ class Attention(nn.Module):
         q, k, v = ops.rope_and_cache(qk, v, *rope, self.num_heads, meta.slot_mapping, kv_cache,
                                      self.k_scale, self.v_scale)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
-                                   self.sliding_window, self.k_scale, self.v_scale)
+                                   self.sliding_window, self.k_scale, self.v_scale,
+                                   self.softcap)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -189,7 +191,7 @@ class DecoderLayer(nn.Module):
 
 
 class SandwichDecoderLayer(DecoderLayer):
-    """Gemma 3's layer: the attention and MLP outputs are normed again before each
+    """Gemma 2's and 3's layer: the attention and MLP outputs are normed again before each
     residual add, and the MLP input has a norm of its own."""
 
     def __init__(self, config: ModelConfig, layer: LayerConfig, backend, prefix: str):
@@ -256,6 +258,7 @@ class CausalLM(nn.Module):
         self.config = config
         self.model = DecoderModel(config, backend, dtype)
         self.tie_word_embeddings = config.tie_word_embeddings
+        self.logit_softcap = config.logit_softcap
         self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size)
                         if PipelineParallel.is_last() else None)
         if self.tie_word_embeddings and self.lm_head is not None \
@@ -289,6 +292,8 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         logits = self.lm_head(hidden)
+        if self.logit_softcap is not None:  # in the model's dtype, as transformers does
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits.float() if float32 else logits
 
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:

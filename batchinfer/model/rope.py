@@ -6,16 +6,21 @@ import math
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
 
 def attention_scaling(params: dict) -> float:
-    """The factor LongRoPE multiplies cos and sin by (1 for the other types)."""
-    if params["rope_type"] != "longrope":
+    """The factor LongRoPE and YaRN multiply cos and sin by (1 for the other types)."""
+    if params["rope_type"] not in ("longrope", "yarn"):
         return 1.0
     if params.get("attention_factor") is not None:
         return float(params["attention_factor"])
     factor = params["factor"]
+    if params["rope_type"] == "yarn":
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            return float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
+        return _yarn_mscale(factor)
     if factor <= 1.0:
         return 1.0
     return math.sqrt(1 + math.log(factor) / math.log(params["original_max_position_embeddings"]))
@@ -55,6 +60,8 @@ def _rotated_inv_freq(params: dict, head_dim: int) -> torch.Tensor:
             raise ValueError(f"rope short_factor has {short.numel()} entries; {head_dim} "
                              f"rotated dimensions need {head_dim // 2}")
         return 1.0 / (short * base ** exponents)
+    if kind == "yarn":
+        return _yarn_inv_freq(params, head_dim, base ** exponents)
     inv_freq = 1.0 / (base ** exponents)
     if kind == "linear":
         inv_freq = inv_freq / params["factor"]
@@ -70,6 +77,33 @@ def _rotated_inv_freq(params: dict, head_dim: int) -> torch.Tensor:
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         inv_freq = torch.where(medium, smoothed, scaled)
     return inv_freq
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention factor, eq. 21 of the paper: 0.1 * mscale * ln(factor) + 1."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_inv_freq(params: dict, dim: int, pos_freqs: torch.Tensor) -> torch.Tensor:
+    """YaRN: frequencies that turn fewer than beta_slow times over the original context
+    are interpolated (divided by factor), those turning more than beta_fast times kept,
+    with a linear ramp over the dimensions between; as transformers computes it."""
+    base, factor = params["rope_theta"], params["factor"]
+    old_len = params["original_max_position_embeddings"]
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:  # the dimension turning this many times
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
 class RotaryEmbedding(nn.Module):

@@ -71,6 +71,15 @@ def load_kv_tile(block_row, k_head, v_head, pos, pos_ok, d, d_ok, like,
 
 
 @triton.jit
+def soft_cap(s, cap_log2):
+    """cap * tanh(x / cap) of base-2 scores s = x * log2(e), given cap_log2 = cap * log2(e)
+    (the same product in base-2 units). tanh(y) = 1 - 2 / (e^2y + 1), which saturates to
+    +-1 where e^2y overflows or vanishes. Apply before masking: -inf comes out -cap."""
+    e2y = tl.exp2(s / cap_log2 * 2.8853900817779268)  # 2 * log2(e)
+    return cap_log2 * (1.0 - 2.0 / (e2y + 1.0))
+
+
+@triton.jit
 def online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
     """Fold one tile of base-2 scores s [M, N] (masked entries -inf) and its values
     v [N, D] into the running max m_i, sum l_i and unnormalised output acc. Rows that

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from .. import fp8
 from ._launch import check_inputs, dot_settings, next_power_of_2
-from ._paged import load_kv_tile, online_softmax_step
+from ._paged import load_kv_tile, online_softmax_step, soft_cap
 
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
@@ -40,6 +40,7 @@ def _paged_decode_kernel(
     seq_lens_ptr,      # [num_seqs] int32
     scale_log2,        # softmax scale * log2(e) (* k_scale: FP8)
     v_scale,           # FP8: values are read times v_scale
+    softcap_log2,      # soft-capping's cap * log2(e) (SOFTCAP)
     window,            # sliding window W (USE_WINDOW)
     num_splits,        # context ranges per sequence (SPLIT)
     stride_qs, stride_qh, stride_qd,
@@ -54,6 +55,7 @@ def _paged_decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,     # scores x become cap * tanh(x / cap) (Gemma 2)
     SPLIT: tl.constexpr,
     DOT_F32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -98,6 +100,8 @@ def _paged_decode_kernel(
                             BLOCK_SIZE, DOT_F32, FP8)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if SOFTCAP:
+            s = soft_cap(s, softcap_log2)
         s = tl.where(pos_ok[None, :], s, float("-inf"))
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
@@ -175,7 +179,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            sliding_window: int | None = None, out: torch.Tensor | None = None,
                            max_seq_len: int | None = None, num_splits: int | None = None,
                            block_n: int | None = None, scratch: dict | None = None,
-                           k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                           k_scale: float = 1.0, v_scale: float = 1.0,
+                           softcap: float | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context.
 
     query [num_seqs, num_heads, head_dim]; the query of sequence i sits at position
@@ -185,7 +190,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     tiles of block_n keys (default max(64, block_size)), looking up the block of every key,
     so tiles need not line up with blocks.
     `scratch` (e.g. the step's AttentionMetadata.cache) keeps the partial buffers across
-    layers. An FP8 cache's keys and values are read times k_scale and v_scale. Returns
+    layers. An FP8 cache's keys and values are read times k_scale and v_scale. softcap:
+    scores (after the scale) become softcap * tanh(scores / softcap). Returns
     `out` ([num_seqs, num_heads, head_dim], allocated when None).
     """
     num_seqs, num_heads, head_dim = query.shape
@@ -231,12 +237,13 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         part_acc = part_max = part_sum = out
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         out, part_acc, part_max, part_sum, query, k_cache, v_cache, block_tables, seq_lens,
-        scale * math.log2(math.e) * k_scale, v_scale, sliding_window or 0, num_splits,
+        scale * math.log2(math.e) * k_scale, v_scale, (softcap or 1.0) * math.log2(math.e),
+        sliding_window or 0, num_splits,
         *query.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
         block_tables.stride(0),
         HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group, G_PAD=max(16, next_power_of_2(group)),
         BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, USE_WINDOW=sliding_window is not None,
-        SPLIT=split, DOT_F32=dot_f32, DOT_PRECISION=precision, FP8=from_fp8,
+        SOFTCAP=softcap is not None, SPLIT=split, DOT_F32=dot_f32, DOT_PRECISION=precision, FP8=from_fp8,
         num_warps=4,
     )
     if split:

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from .. import fp8
 from ._launch import check_inputs, dot_settings, next_power_of_2
-from ._paged import load_kv_tile, online_softmax_step
+from ._paged import load_kv_tile, online_softmax_step, soft_cap
 
 
 # the block-table row stride (the step's longest context in blocks) and the window change
@@ -39,6 +39,7 @@ def _paged_prefill_kernel(
     tile_q_start_ptr,     # [num_tiles] int32: first query token of the tile, within its sequence
     scale_log2,           # softmax scale * log2(e) (* k_scale: FP8)
     v_scale,              # FP8: values are read times v_scale
+    softcap_log2,         # soft-capping's cap * log2(e) (SOFTCAP)
     window,               # sliding window W (USE_WINDOW)
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
@@ -53,6 +54,7 @@ def _paged_prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,     # scores x become cap * tanh(x / cap) (Gemma 2)
     DOT_F32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr,
@@ -99,6 +101,8 @@ def _paged_prefill_kernel(
                             BLOCK_SIZE, DOT_F32, FP8)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if SOFTCAP:
+            s = soft_cap(s, softcap_log2)
         visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             visible = visible & (pos[None, :] > q_pos[:, None] - window)
@@ -141,7 +145,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
                             first_seq: int = 0, query_start_loc_cpu: list[int] | None = None,
                             block_m: int | None = None, block_n: int | None = None,
                             scratch: dict | None = None, k_scale: float = 1.0,
-                            v_scale: float = 1.0) -> torch.Tensor:
+                            v_scale: float = 1.0, softcap: float | None = None) -> torch.Tensor:
     """Causal attention for the query tokens of sequences [first_seq, num_seqs).
 
     query/out are [num_tokens, num_heads, head_dim] for the whole batch (rows of earlier
@@ -149,7 +153,8 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     BLOCK_M // group query tokens of a sequence, so a long chunk spreads over many
     programs and a one-token sequence costs one. The tile plan is built on the host from
     query_start_loc_cpu (read from query_start_loc when not given) and kept in `scratch`.
-    An FP8 cache's keys and values are read times k_scale and v_scale.
+    An FP8 cache's keys and values are read times k_scale and v_scale. softcap: scores
+    (after the scale) become softcap * tanh(scores / softcap).
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -184,12 +189,12 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     _paged_prefill_kernel[(tile_seq.numel(), num_kv_heads)](
         out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         tile_seq, tile_q_start, scale * math.log2(math.e) * k_scale, v_scale,
-        sliding_window or 0,
+        (softcap or 1.0) * math.log2(math.e), sliding_window or 0,
         *query.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
         block_tables.stride(0),
         HEAD_DIM=head_dim, D_PAD=next_power_of_2(head_dim), GROUP=group, BLOCK_Q=block_q,
         BLOCK_M=block_m, BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n,
-        USE_WINDOW=sliding_window is not None, DOT_F32=dot_f32, DOT_PRECISION=precision,
+        USE_WINDOW=sliding_window is not None, SOFTCAP=softcap is not None, DOT_F32=dot_f32, DOT_PRECISION=precision,
         FP8=from_fp8, num_warps=4, num_stages=2,
     )
     return out

@@ -38,13 +38,27 @@ def _check(model_dir, **engine_args) -> LLM:
     return llm
 
 
-@pytest.mark.parametrize("fixture", ["llama_dir", "mistral_dir", "qwen2_dir", "qwen3_dir",
-                                     "phi3_dir", "phi4_mini_dir", "gemma3_dir", "mixtral_dir",
-                                     "qwen3_moe_dir"])
+@pytest.mark.parametrize("fixture", ["llama_dir", "mistral_dir", "qwen2_dir", "qwen2_yarn_dir",
+                                     "qwen3_dir", "phi3_dir", "phi4_mini_dir", "gemma2_dir",
+                                     "gemma3_dir", "mixtral_dir", "qwen3_moe_dir"])
 def test_matches_transformers(fixture, request):
     model_dir = request.getfixturevalue(fixture)
     llm = _check(model_dir)
     assert llm.llm_engine.model_config.num_key_value_heads < llm.llm_engine.model_config.num_attention_heads
+
+
+def test_gemma2_logprobs_come_from_soft_capped_logits(gemma2_dir):
+    # tanh keeps the order of the logits, so greedy tokens cannot show the final cap
+    prompts, _ = _reference(str(gemma2_dir))
+    model = checkpoints._load_hf_model(str(gemma2_dir))
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
+    outs = LLM(model=str(gemma2_dir), dtype="float32").generate(prompts[:4], params)
+    for prompt, out in zip(prompts, outs):
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt])).logits[0, -1]
+        expected = torch.log_softmax(logits, dim=-1)
+        for token, logprob in out.outputs[0].logprobs[0].items():
+            assert logprob.logprob == pytest.approx(expected[token].item(), abs=1e-4)
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])

@@ -153,15 +153,6 @@ def test_vision_language_checkpoint_runs_its_text_decoder(tmp_path, gemma3_dir, 
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in text_only]
 
 
-def test_gemma2_soft_capping_is_refused(tmp_path, gemma3_dir):
-    model = shutil.copytree(gemma3_dir, tmp_path / "capped")
-    config = json.loads((model / "config.json").read_text())
-    config["attn_logit_softcapping"] = 50.0
-    (model / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="attn_logit_softcapping is not supported"):
-        LLM(model=str(model))
-
-
 def test_moe_checkpoint_missing_an_expert(tmp_path, qwen3_moe_dir):
     from safetensors.torch import load_file, save_file
     model = shutil.copytree(qwen3_moe_dir, tmp_path / "cut")

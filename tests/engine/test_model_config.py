@@ -2,6 +2,8 @@
 fills in, and each architecture's differences as the layers read them."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from batchinfer.model.config import LayerConfig, MoEConfig, ModelConfig
@@ -40,6 +42,14 @@ def test_head_dim_defaults_to_hidden_size_over_heads_and_sets_the_scale():
     assert mistral.head_dim == 64 // 4
     assert llama.attention_scale == 32 ** -0.5 and mistral.attention_scale == 16 ** -0.5
     assert config("test-gemma3").attention_scale == 48 ** -0.5  # query_pre_attn_scalar
+    assert config("test-gemma2").attention_scale == 48 ** -0.5
+
+
+def test_soft_capping_only_where_the_config_sets_it():
+    gemma2 = config("test-gemma2")
+    assert (gemma2.attn_softcap, gemma2.logit_softcap) == (10.0, 8.0)
+    for shape in ("test-gemma3", "test-llama"):
+        assert (config(shape).attn_softcap, config(shape).logit_softcap) == (None, None)
 
 
 @pytest.mark.parametrize("shape, windows", [
@@ -48,6 +58,7 @@ def test_head_dim_defaults_to_hidden_size_over_heads_and_sets_the_scale():
     ("test-phi3", [96, 96]),
     ("test-phi4-mini", [None, None]),           # no window set
     ("test-qwen2", [None, None]),               # use_sliding_window off
+    ("test-gemma2", [48, None, 48]),            # by layer type (transformers: even layers)
     ("test-gemma3", [48, None, 48]),            # by layer type
 ])
 def test_sliding_windows_per_layer(shape, windows):
@@ -68,6 +79,7 @@ def test_qwen2_window_from_max_window_layers():
     ("test-phi3", False, False, False),
     ("test-mixtral", False, False, False),
     ("test-qwen3-moe", False, True, False),
+    ("test-gemma2", False, False, True),
     ("test-gemma3", False, True, True),
 ])
 def test_architecture_differences(shape, qkv_bias, qk_norm, gemma):
@@ -99,6 +111,38 @@ def test_rope_settings_per_layer_type_and_longrope_limit():
     phi4 = config("test-phi4-mini")
     assert phi4.short_context_limit == 1024
     assert phi4.rope["full_attention"]["partial_rotary_factor"] == 0.75
+
+
+def older_config(shape: str, **changes) -> ModelConfig:
+    """The shape's config as older transformers give it: rope_theta and rope_scaling."""
+    hf = SimpleNamespace(**make_config(shape).to_dict())
+    hf.rope_parameters = None
+    hf.rope_theta = 1e6
+    for name, value in changes.items():
+        setattr(hf, name, value)
+    return ModelConfig.from_hf(hf)
+
+
+def test_gemma2_windows_on_even_layers_where_the_config_names_no_layer_types():
+    gemma2 = older_config("test-gemma2", layer_types=None)
+    assert [layer.sliding_window for layer in gemma2.layers] == [48, None, 48]
+
+
+def test_yarn_under_the_older_keys_and_phi3s_old_name_for_longrope():
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
+    qwen = older_config("test-qwen2", rope_scaling=yarn)
+    assert qwen.rope["full_attention"] == {
+        "type": "yarn", "rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+        "original_max_position_embeddings": 128, "partial_rotary_factor": 1.0}
+    assert qwen.short_context_limit is None  # YaRN runs to max_position_embeddings
+    # no factor: the ratio of the context lengths; a top-level original length wins
+    implied = older_config("test-qwen2", original_max_position_embeddings=256, rope_scaling={
+        "type": "yarn", "original_max_position_embeddings": 128})
+    assert implied.rope["full_attention"]["original_max_position_embeddings"] == 256
+    assert implied.rope["full_attention"]["factor"] == 2048 / 256
+    phi3 = older_config("test-phi3", rope_scaling={
+        "type": "yarn", "short_factor": [1.0] * 16, "long_factor": [4.0] * 16})
+    assert phi3.rope["full_attention"]["rope_type"] == "longrope"
 
 
 def test_mixture_of_experts_blocks():
@@ -140,7 +184,6 @@ def test_a_config_without_architectures_goes_by_its_model_type():
 
 @pytest.mark.parametrize("change, message", [
     (dict(architectures=["GPT2LMHeadModel"], model_type="gpt2"), "not supported; supported"),
-    (dict(final_logit_softcapping=30.0), "final_logit_softcapping is not supported"),
     (dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
     (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0}),
      "rope type 'dynamic' is not supported"),

@@ -109,6 +109,28 @@ def test_matches_reference(window, dtype, tol, use_cpu_kernel):
         assert plan.token_not_member.tolist() == [f for s, f in zip(seqs, skips) for _ in range(s[2])]
 
 
+@pytest.mark.parametrize("window", [None, 48])
+def test_soft_capped_scores_match_reference(window):
+    # every part (cascade, decodes, chunks after earlier context) in plain ops, capped
+    seqs = sorted(MIXED, key=lambda s: s[2] != 1)
+    query, key, value, k_cache, v_cache, meta = paged_batch(seqs)
+    query = query * 4  # scores well past the cap
+    out = TorchAttention().forward(query, key, value, k_cache, v_cache, meta, 0.2, window,
+                                   softcap=3.0)
+    plan = step_plan(meta)
+    assert plan.decode_bounds is None and plan.prefill_chunks is None  # no C kernel
+    assert (plan.shared_slots is not None) == (window is None)
+    nd = meta.num_decode_seqs
+    expected = ref_prefill_attention(query, k_cache, v_cache, meta.block_tables,
+                                     meta.seq_lens, meta.query_start_loc, 0.2, window,
+                                     first_seq=nd, softcap=3.0)
+    expected[:nd] = ref_decode_attention(query[:nd], k_cache, v_cache, meta.block_tables[:nd],
+                                         meta.seq_lens[:nd], 0.2, window, softcap=3.0)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+    uncapped = reference(query, k_cache, v_cache, meta, window)
+    assert (uncapped - expected).abs().max() > 0.1
+
+
 @pytest.mark.parametrize("use_cpu_kernel", [True, False])
 @pytest.mark.parametrize("window", [None, 48])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])

@@ -45,15 +45,19 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-           scale: float, sliding_window: int | None) -> torch.Tensor:
+           scale: float, sliding_window: int | None,
+           softcap: float | None = None) -> torch.Tensor:
     """q [L, H, D] at positions q_pos [L] over k/v [S, Hkv, D] at positions 0..S-1.
 
-    Query position i sees key j when j <= i and, with a window W, i - W < j. Float32 out.
+    Query position i sees key j when j <= i and, with a window W, i - W < j. With softcap
+    the scaled scores x become softcap * tanh(x / softcap) (Gemma 2). Float32 out.
     """
     group = q.shape[1] // k.shape[1]
     k = k.float().repeat_interleave(group, dim=1)
     v = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("lhd,shd->hls", q.float(), k) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     k_pos = torch.arange(k.shape[0], device=q.device)
     q_pos = q_pos.to(q.device)
     visible = k_pos[None, :] <= q_pos[:, None]
@@ -65,20 +69,23 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
 
 def ref_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                         sliding_window: int | None = None) -> torch.Tensor:
+                         sliding_window: int | None = None,
+                         softcap: float | None = None) -> torch.Tensor:
     """query [num_seqs, H, D], one token per sequence at position seq_lens[i] - 1."""
     out = torch.empty(query.shape, dtype=torch.float32, device=query.device)
     for i, seq_len in enumerate(seq_lens.tolist()):
         k = gather_context(k_cache, block_tables[i], seq_len)
         v = gather_context(v_cache, block_tables[i], seq_len)
-        out[i] = attend(query[i:i + 1], k, v, torch.tensor([seq_len - 1]), scale, sliding_window)[0]
+        out[i] = attend(query[i:i + 1], k, v, torch.tensor([seq_len - 1]), scale,
+                        sliding_window, softcap)[0]
     return out
 
 
 def ref_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, seq_lens: torch.Tensor,
                           query_start_loc: torch.Tensor, scale: float,
-                          sliding_window: int | None = None, first_seq: int = 0) -> torch.Tensor:
+                          sliding_window: int | None = None, first_seq: int = 0,
+                          softcap: float | None = None) -> torch.Tensor:
     """Rows of sequences [first_seq, num_seqs): their chunk is the last tokens of the context.
 
     Returns float32 [num_tokens, H, D]; rows of earlier sequences are zero.
@@ -90,5 +97,5 @@ def ref_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k = gather_context(k_cache, block_tables[i], seq_len)
         v = gather_context(v_cache, block_tables[i], seq_len)
         q_pos = torch.arange(seq_len - (end - start), seq_len)
-        out[start:end] = attend(query[start:end], k, v, q_pos, scale, sliding_window)
+        out[start:end] = attend(query[start:end], k, v, q_pos, scale, sliding_window, softcap)
     return out

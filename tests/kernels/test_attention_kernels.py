@@ -93,6 +93,34 @@ def test_prefill_matches_reference(paged_batch, case):
     torch.testing.assert_close(out.float(), ref, **TOLERANCES[b.query.dtype])
 
 
+# a cap well inside the scores' range (std ~2.4 at SCALE and these shapes), so it bends most
+SOFTCAP = 2.0
+
+
+@pytest.mark.parametrize("case", CASES[:3], ids=str)
+def test_soft_capped_scores_match_reference(paged_batch, case):
+    window = case[4]
+    b = _batch(paged_batch, case, PREFILL_SEQ_LENS, PREFILL_QUERY_LENS)
+    m = b.meta
+    ref = ref_prefill_attention(b.query, b.k_cache, b.v_cache, m.block_tables, m.seq_lens,
+                                m.query_start_loc, SCALE, window, softcap=SOFTCAP)
+    uncapped = ref_prefill_attention(b.query, b.k_cache, b.v_cache, m.block_tables,
+                                     m.seq_lens, m.query_start_loc, SCALE, window)
+    assert (ref - uncapped).abs().max() > 0.1
+    out = paged_prefill_attention(b.query, b.k_cache, b.v_cache, m.block_tables, m.seq_lens,
+                                  m.query_start_loc, SCALE, window, block_m=32, block_n=16,
+                                  softcap=SOFTCAP)
+    torch.testing.assert_close(out.float(), ref, **TOLERANCES[b.query.dtype])
+    # each sequence's last token as a decode, in one split and in three
+    last = torch.tensor(m.query_start_loc[1:].tolist()) - 1
+    query = b.query[last].contiguous()
+    for num_splits in (1, 3):
+        out = paged_decode_attention(query, b.k_cache, b.v_cache, m.block_tables, m.seq_lens,
+                                     SCALE, window, num_splits=num_splits, block_n=16,
+                                     softcap=SOFTCAP)
+        torch.testing.assert_close(out.float(), ref[last], **TOLERANCES[b.query.dtype])
+
+
 @pytest.mark.parametrize("case", CASES[:6], ids=str)
 def test_write_kv_matches_reference(paged_batch, case):
     b = _batch(paged_batch, case, [3, 19], [3, 11])

@@ -17,12 +17,13 @@ if torch.cuda.is_available():
                        torch.bfloat16: dict(atol=5e-2, rtol=5e-2)})
 
 
-@pytest.mark.parametrize("dtype, window, group, block_size", [
-    (torch.float32, None, 4, 16),
-    (torch.bfloat16, 12, 1, 8),
-    (torch.float32, 12, 8, 32),
+@pytest.mark.parametrize("dtype, window, group, block_size, softcap", [
+    (torch.float32, None, 4, 16, None),
+    (torch.bfloat16, 12, 1, 8, None),
+    (torch.float32, 12, 8, 32, None),
+    (torch.float32, 12, 4, 16, 1.0),  # Gemma 2's soft-capped scores
 ])
-def test_forward_matches_torch_backend(paged_batch, dtype, window, group, block_size):
+def test_forward_matches_torch_backend(paged_batch, dtype, window, group, block_size, softcap):
     # Two decodes, a chunk after a prefix-cache hit that starts mid-block, a fresh
     # prompt, a one-token prompt.
     b = paged_batch([29, 1, 21, 18, 1], [1, 1, 6, 18, 1], block_size=block_size,
@@ -38,17 +39,21 @@ def test_forward_matches_torch_backend(paged_batch, dtype, window, group, block_
         caches[name] = (k_cache, v_cache)
     backend = TritonAttention()
     m.cache.clear()
-    ref = TorchAttention().forward(b.query, b.key, b.value, *caches["torch"], m, 0.125, window)
+    ref = TorchAttention().forward(b.query, b.key, b.value, *caches["torch"], m, 0.125, window,
+                                   softcap=softcap)
     m.cache.clear()
-    out = backend.forward(b.query, b.key, b.value, *caches["triton"], m, 0.125, window)
+    out = backend.forward(b.query, b.key, b.value, *caches["triton"], m, 0.125, window,
+                          softcap=softcap)
     torch.testing.assert_close(out.float(), ref.float(), **TOLERANCES[dtype])
     for a, c in zip(caches["triton"], caches["torch"]):
         assert torch.equal(a.nan_to_num(), c.nan_to_num())
     # A second layer reuses the step's plans from meta.cache.
     assert any(key[0] == "prefill_tiles" for key in m.cache)
-    again = backend.forward(b.query * 2, b.key, b.value, *caches["triton"], m, 0.125, window)
+    again = backend.forward(b.query * 2, b.key, b.value, *caches["triton"], m, 0.125, window,
+                            softcap=softcap)
     m.cache.clear()
-    ref2 = TorchAttention().forward(b.query * 2, b.key, b.value, *caches["torch"], m, 0.125, window)
+    ref2 = TorchAttention().forward(b.query * 2, b.key, b.value, *caches["torch"], m, 0.125,
+                                    window, softcap=softcap)
     torch.testing.assert_close(again.float(), ref2.float(), **TOLERANCES[dtype])
 
 
