@@ -188,6 +188,12 @@ class LLMEngine:
             raise ValueError(f"truncate_prompt_tokens {keep} leaves no room for output: "
                              f"max_model_len is {self.max_model_len} (use at most "
                              f"{self.max_model_len - 1}, or -1)")
+        so = params.structured_outputs
+        if (self.config.pipeline_parallel_size > 1 and so is not None
+                and (so.regex is not None or so.json is not None)):
+            raise ValueError("regex and JSON-schema outputs are not supported with "
+                             "pipeline_parallel_size > 1 yet (choice outputs are); use "
+                             "tensor parallelism alone")
         vocab = self.model_config.vocab_size
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)

@@ -57,8 +57,9 @@ from batchinfer.engine.nodes import WAIT_FOR_NODE0, NodeGroup
 from batchinfer.model.parallel import PipelineParallel, TensorParallel
 
 STARTUP_TIMEOUT_S = 600.0       # for every worker to start and import torch
-# across nodes, a collective that waits this long has lost a rank: the job fails, not hangs
-NODE_TIMEOUT = timedelta(minutes=10)
+# a collective that waits this long has lost a rank: the job fails rather than hangs (long
+# enough for ranks whose checkpoint loads finish far apart, as on a busy shared filesystem)
+GROUP_TIMEOUT = timedelta(minutes=30)
 JOIN_TIMEOUT_S = 30.0           # for a worker to exit after shutdown
 
 
@@ -128,11 +129,11 @@ def _join(rank: int, size: int, meet: Rendezvous, device: torch.device, tp_size:
     try:
         if meet.nodes is None:
             dist.init_process_group(backend, init_method=f"file://{meet.file}", rank=rank,
-                                    world_size=size, timeout=timedelta(minutes=30))
+                                    world_size=size, timeout=GROUP_TIMEOUT)
         else:
             store = meet.nodes.store() if leader else meet.nodes.worker_store()
             dist.init_process_group(backend, store=dist.PrefixStore("group", store), rank=rank,
-                                    world_size=size, timeout=NODE_TIMEOUT)
+                                    world_size=size, timeout=GROUP_TIMEOUT)
         # host-side agreements (KV block counts) go over gloo whatever the device backend
         cpu_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
         # every rank makes every stage's group, in the same order
@@ -243,6 +244,7 @@ class TensorParallelGroup:
         self._closed = False
         self._broken: str | None = None
         self._leaders = None  # across nodes: the gloo group node 0's plans go over
+        self._built = False   # every rank's runner is built: the nodes serve plans
         self._dir = tempfile.mkdtemp(prefix="batchinfer-tp-")
         meet = Rendezvous(os.path.join(self._dir, "rendezvous"), nodes)
         ctx = multiprocessing.get_context("spawn")
@@ -358,6 +360,7 @@ class TensorParallelGroup:
     def wait_until_built(self) -> None:
         """After rank 0 built its runner: every worker built its own."""
         self._wait_for("built")
+        self._built = True
 
     def worker_error(self) -> str | None:
         """The first error a worker reported, if any."""
@@ -411,7 +414,9 @@ class TensorParallelGroup:
         if self._closed:
             return
         self._closed = True
-        if self._sends_to_nodes and self._broken is None:
+        # the other nodes take a shutdown word once they serve plans; before that (a start
+        # that failed) they are in the start's collectives, which leaving the group breaks
+        if self._sends_to_nodes and self._broken is None and self._built:
             try:
                 self._to_nodes(None)
             except WorkerError:

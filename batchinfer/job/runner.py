@@ -246,7 +246,8 @@ def _run_engine(options: JobOptions, source: Source, plan: _Plan, writer: PartWr
         try:  # flags the model's vocabulary bounds (--logprobs, --stop-token-ids)
             engine.check_params(options.sampling_params())
         except ValueError as e:
-            raise JobError(re.sub(r"^(\w+)", lambda m: flag(m.group(1)), str(e))) from None
+            raise JobError(engine_flags_in(re.sub(r"^(\w+)", lambda m: flag(m.group(1)),
+                                                  str(e)))) from None
         parser = None
         if options.reasoning_parser is not None:
             parser = engine.get_reasoning_parser(options.reasoning_parser,

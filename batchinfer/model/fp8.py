@@ -60,7 +60,7 @@ def rows_from_checkpoint(scale: torch.Tensor, rows: int, block: tuple[int, int] 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_size: int,
            bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None,
-           scale_ub: float | None = None) -> torch.Tensor:
+           scale_ub: torch.Tensor | None = None) -> torch.Tensor:
     """x dequantize(weight)^T + bias, in x's dtype: FP8 products on GPUs that have them,
     else the weight is widened inside the product (no full-precision copy is kept)."""
     shape = x.shape

@@ -1,7 +1,9 @@
 """A checkpoint's FP8 KV-cache scales, under the names the quantizers write them:
 
-    model.layers.N.self_attn.k_scale, .v_scale        compressed-tensors (kv_cache_scheme),
-                                                      ModelOpt, vLLM's own
+    model.layers.N.self_attn.k_scale, .v_scale        compressed-tensors (kv_cache_scheme)
+    model.layers.N.self_attn.attn.k_scale, .v_scale   vLLM's own
+    model.layers.N.self_attn.k_proj.k_scale,          ModelOpt
+    model.layers.N.self_attn.v_proj.v_scale
     model.layers.N.self_attn.k_proj.output_scale,     older AutoFP8
     model.layers.N.self_attn.v_proj.output_scale
     model.layers.N.self_attn.kv_scale                 one scale for both
@@ -22,11 +24,15 @@ from torch import nn
 
 SCALE_NAME = re.compile(r"(?P<attention>.+\.self_attn)\."
                         r"(?P<which>k_scale|v_scale|kv_scale|q_scale|k_proj\.output_scale"
-                        r"|v_proj\.output_scale)")
+                        r"|v_proj\.output_scale|attn\.k_scale|attn\.v_scale|attn\.q_scale"
+                        r"|k_proj\.k_scale|v_proj\.v_scale|q_proj\.q_scale)")
 # which of the layer's scales each name sets
 _SETS = {"k_scale": ("k_scale",), "k_proj.output_scale": ("k_scale",),
+         "attn.k_scale": ("k_scale",), "k_proj.k_scale": ("k_scale",),
          "v_scale": ("v_scale",), "v_proj.output_scale": ("v_scale",),
-         "kv_scale": ("k_scale", "v_scale"), "q_scale": ()}
+         "attn.v_scale": ("v_scale",), "v_proj.v_scale": ("v_scale",),
+         "kv_scale": ("k_scale", "v_scale"), "q_scale": (), "attn.q_scale": (),
+         "q_proj.q_scale": ()}
 
 
 def take_kv_scales(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],

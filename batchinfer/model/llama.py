@@ -104,7 +104,9 @@ class Attention(nn.Module):
         for param in (self.qkv_proj.weight, self.qkv_proj.bias,
                       getattr(self.qkv_proj, "weight_scale", None)):
             if param is not None:  # rows of q, then k; v's stay
-                param.data[:len(rows)] = param.data[rows]
+                # FP8 rows moved as bytes (indexing float8 tensors is not on every device)
+                data = param.data.view(torch.uint8) if param.dtype == fp8.FP8 else param.data
+                data[:len(rows)] = data[rows]
         for norm in (self.q_norm, self.k_norm):
             if norm is not None:
                 norm.weight.data = norm.weight.data[order]
@@ -158,7 +160,7 @@ class MLP(nn.Module):
             proj = self.gate_up_proj
             half = proj.weight.shape[0] // 2
             gate, up = (fp8.linear(x, proj.weight[rows], proj.weight_scale[rows], proj.group_size,
-                                   None, proj.input_scale, proj.quant.activation_scale_ub)
+                                   None, proj.input_scale, proj.scale_ub)
                         for rows in (slice(0, half), slice(half, None)))
         else:
             weight = self.gate_up_proj.weight

@@ -141,6 +141,13 @@ class _Fp8Weights:
             torch.ones(rows, fp8.num_groups(cols, self.group_size), dtype=torch.float32))
         self.input_scale = (_fp8_parameter(torch.zeros((), dtype=torch.float32))
                             if quant.static_activations else None)
+        # fbgemm_fp8's bound on dynamic activation scales: a tensor on the layer's device,
+        # made once (a CUDA graph's capture cannot copy a host value in)
+        ub = None
+        if quant.activation_scale_ub is not None:
+            ub = torch.tensor([quant.activation_scale_ub], dtype=torch.float32)
+            ub.keep_dtype = True
+        self.register_buffer("scale_ub", ub, persistent=False)
 
     def _fp8_rows(self, loaded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(FP8 rows, their [rows, 1] scales when quantized here) of a checkpoint weight."""
@@ -165,7 +172,7 @@ class _Fp8Weights:
 
     def _fp8_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return fp8.linear(x, self.weight, self.weight_scale, self.group_size, bias,
-                          self.input_scale, self.quant.activation_scale_ub)
+                          self.input_scale, self.scale_ub)
 
 
 class ColumnParallelLinear(_Fp8Weights, nn.Module):

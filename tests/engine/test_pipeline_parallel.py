@@ -109,3 +109,12 @@ def test_job_with_two_stages(tmp_path, llama_dir):
         table = ds.dataset(str(tmp_path / f"out{pp}")).to_table().to_pylist()
         outputs[pp] = sorted((r["id"], r["completion"], r["output_tokens"]) for r in table)
     assert len(outputs["2"]) == 5 and outputs["2"] == outputs["1"]
+    # regex outputs are refused with stages, before any row runs
+    bad = CliRunner().invoke(run, [
+        str(path), "--model", str(llama_dir), "-o", str(tmp_path / "regex"), "--device", "cpu",
+        "--num-kv-blocks", "32", "--no-progress", "--pipeline-parallel-size", "2",
+        "--regex", "[a-z]+"])
+    assert bad.exit_code == 2, bad.output
+    assert "--regex and JSON-schema outputs are not supported with " \
+        "--pipeline-parallel-size > 1" in bad.output
+    assert not list((tmp_path / "regex").glob("**/*.parquet"))

@@ -103,6 +103,24 @@ def test_a_node_lost_mid_run_fails_the_job_and_a_rerun_finishes_it(tmp_path, lla
     assert sorted(ids) == list(range(rows))  # every row once: none lost, none repeated
 
 
+def test_a_node_0_that_fails_to_load_lets_the_others_go(tmp_path, llama_dir):
+    """Node 0's model fails while loading (a damaged weights file): both nodes exit
+    non-zero within a bounded time, none waits on the other."""
+    import shutil
+    model = shutil.copytree(llama_dir, tmp_path / "model")
+    weights = model / "model.safetensors"
+    source = _input(tmp_path / "in.jsonl", 4, 1)
+    port = _port()
+    node1 = _start(source, _flags(llama_dir, tmp_path / "out"), 1, port, tmp_path / "node1.log")
+    weights.write_bytes(weights.read_bytes()[:len(weights.read_bytes()) // 2])
+    node0 = _start(source, _flags(model, tmp_path / "out"), 0, port, tmp_path / "node0.log")
+    start = time.monotonic()
+    assert node0.wait(120) not in (0, None), (tmp_path / "node0.log").read_text()
+    assert node1.wait(60) not in (0, None), (tmp_path / "node1.log").read_text()
+    assert time.monotonic() - start < 90
+    assert "damaged or incomplete" in (tmp_path / "node0.log").read_text()
+
+
 def test_node_flags_are_checked_before_anything_starts(tmp_path, llama_dir, run_cli):
     source = _input(tmp_path / "in.jsonl", 2, 1)
     bad = run_cli(source, "-o", tmp_path / "out", "--nnodes", "2", "--node-rank", "2")

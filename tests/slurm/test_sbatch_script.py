@@ -67,7 +67,7 @@ def test_tasks_of_several_nodes_become_one_engine(tmp_path):
     assert result.returncode == 0, result.stderr
     lines = result.stdout.split("\n")[:-1]
     assert [x for x in lines if x.startswith("srun")] == [
-        "srun --kill-on-bad-exit=1", "srun --wait=120", "srun --ntasks=2"]
+        "srun --kill-on-bad-exit=1", "srun --ntasks=2"]
     runs = "\n".join(lines).split("run\n")[1:]
     flags = ["in.jsonl", "-o", "o", "--tensor-parallel-size", "8", "--nnodes", "2",
              "--master-addr", "gpu-a", "--master-port", str(20000 + 4321),
