@@ -243,29 +243,37 @@ def _run_engine(options: JobOptions, source: Source, plan: _Plan, writer: PartWr
             raise JobError(f"--model {options.model}: {e}") from None
         except ValueError as e:
             raise JobError(f"cannot start the engine: {engine_flags_in(str(e))}") from None
-        try:  # flags the model's vocabulary bounds (--logprobs, --stop-token-ids)
-            engine.check_params(options.sampling_params())
-        except ValueError as e:
-            raise JobError(engine_flags_in(re.sub(r"^(\w+)", lambda m: flag(m.group(1)),
-                                                  str(e)))) from None
-        parser = None
-        if options.reasoning_parser is not None:
-            parser = engine.get_reasoning_parser(options.reasoning_parser,
-                                                 options.template_kwargs())
-            if options.sampling_params().structured_outputs is not None \
-                    and parser.end_token_id is None:
-                raise JobError(f"--reasoning-parser {options.reasoning_parser}: a constraint "
-                               f"applies after {END_TAG}, which is not one token of the "
-                               "model's tokenizer")
-        progress = Progress(total, len(done), options.progress, err, options.progress_interval)
-        loop = _Loop(options, source, plan, writer, done, engine, metrics, progress, parser)
         try:
-            return loop.run(stop)
+            parser = _check_with_engine(options, engine)
+            progress = Progress(total, len(done), options.progress, err,
+                                options.progress_interval)
+            loop = _Loop(options, source, plan, writer, done, engine, metrics, progress, parser)
+            try:
+                return loop.run(stop)
+            finally:
+                progress.close()
         finally:
-            progress.close()
-            engine.shutdown()  # tensor-parallel workers
+            engine.shutdown()  # tensor-parallel workers, also when a check refused the job
     finally:
         metrics.close()
+
+
+def _check_with_engine(options: JobOptions, engine: Engine) -> ReasoningParser | None:
+    """What only the loaded engine can check (JobError): the bounds the model's vocabulary
+    sets (--logprobs, --stop-token-ids), what its parallelism allows, and the reasoning
+    parser's tags; the parser, when one is asked for."""
+    try:
+        engine.check_params(options.sampling_params())
+    except ValueError as e:
+        raise JobError(engine_flags_in(re.sub(r"^(\w+)", lambda m: flag(m.group(1)),
+                                              str(e)))) from None
+    if options.reasoning_parser is None:
+        return None
+    parser = engine.get_reasoning_parser(options.reasoning_parser, options.template_kwargs())
+    if options.sampling_params().structured_outputs is not None and parser.end_token_id is None:
+        raise JobError(f"--reasoning-parser {options.reasoning_parser}: a constraint applies "
+                       f"after {END_TAG}, which is not one token of the model's tokenizer")
+    return parser
 
 
 class _Loop:

@@ -218,6 +218,9 @@ def _rope_parameters(config, layer_type: str = "full_attention") -> dict:
         params.update(scaling)
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    factors = getattr(config, "rope_freq_factors", None)  # a GGUF file's (model/gguf.py)
+    if factors is not None:
+        params["rope_type"], params["freq_factors"] = "freq_factors", list(factors)
     if params["rope_type"] in ("su", "yarn") and "short_factor" in params:  # Phi-3's old names
         params["rope_type"] = "longrope"
     if params["rope_type"] not in SUPPORTED_ROPE_TYPES:

@@ -37,6 +37,9 @@ _MODEL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
+ROPE_FREQS = "rope_freqs.weight"
+
+
 def is_gguf(path: Path) -> bool:
     return path.is_file() and path.suffix == ".gguf"
 
@@ -62,9 +65,8 @@ def hf_name(name: str) -> str:
     match = _LAYER_NAME.fullmatch(name)
     if match and match[2] in _LAYER_TENSORS:
         return f"model.layers.{match[1]}.{_LAYER_TENSORS[match[2]]}.{match[3]}"
-    if name == "rope_freqs.weight":
-        raise ValueError("its rope_freqs tensor (Llama 3.1-style rope scaling, which "
-                         "transformers also drops) is not supported")
+    if name == ROPE_FREQS:
+        return name  # not a weight: the rotary table's factors (hf_config)
     raise ValueError(f"its tensor {name} has no counterpart in the engine's models")
 
 
@@ -98,9 +100,17 @@ def check(path: Path) -> None:
 
 
 def hf_config(path: Path):
+    """transformers' config of the file, with its rope_freqs (Llama 3.1's rope scaling as
+    llama.cpp stores it: a factor each frequency is divided by, which transformers drops)
+    as `rope_freq_factors` for batchinfer.model.config."""
     check(path)
+    from gguf import GGUFReader
     from transformers import AutoConfig
-    return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    for tensor in GGUFReader(path).tensors:
+        if tensor.name == ROPE_FREQS:
+            config.rope_freq_factors = [float(v) for v in tensor.data.reshape(-1)]
+    return config
 
 
 def hf_tokenizer(path: Path):
@@ -118,6 +128,8 @@ def iter_weights(path: Path, num_heads: int, num_kv_heads: int, dtype: torch.dty
     permuted = ARCHITECTURES[_architecture(reader)]
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
+        if name == ROPE_FREQS:  # read into the config
+            continue
         values = dequantize(tensor.data, tensor.tensor_type)
         if not values.flags.writeable:  # F32 tensors come as views of the read-only file
             values = values.copy()

@@ -6,7 +6,7 @@ import math
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn", "freq_factors")
 
 
 def attention_scaling(params: dict) -> float:
@@ -62,6 +62,14 @@ def _rotated_inv_freq(params: dict, head_dim: int) -> torch.Tensor:
         return 1.0 / (short * base ** exponents)
     if kind == "yarn":
         return _yarn_inv_freq(params, head_dim, base ** exponents)
+    if kind == "freq_factors":
+        # a GGUF file's rope_freqs: each frequency divided by its factor (how llama.cpp
+        # stores Llama 3.1's rope scaling)
+        factors = torch.tensor(params["freq_factors"], dtype=torch.float32)
+        if factors.numel() != head_dim // 2:
+            raise ValueError(f"rope_freqs has {factors.numel()} entries; {head_dim} rotated "
+                             f"dimensions need {head_dim // 2}")
+        return 1.0 / (factors * base ** exponents)
     inv_freq = 1.0 / (base ** exponents)
     if kind == "linear":
         inv_freq = inv_freq / params["factor"]

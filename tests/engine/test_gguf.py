@@ -80,9 +80,8 @@ NORM = (np.ones(32, dtype=np.float32), None)
                "blk.0.attn_q.weight": (np.zeros((32, 40), dtype=np.uint8),
                                        gguf.GGMLQuantizationType.Q8_1)},
      "GGUF quantization type Q8_1 is not supported"),
-    ("llama", {"rope_freqs.weight": NORM}, "rope_freqs tensor"),
     ("llama", {"blk.0.attn_qkv.weight": NORM}, "tensor blk.0.attn_qkv.weight has no counterpart"),
-], ids=["architecture", "quantization", "rope-freqs", "tensor"])
+], ids=["architecture", "quantization", "tensor"])
 def test_job_refuses_by_name_before_rows_run(tmp_path, arch, tensors, refusal):
     model = _write_gguf(tmp_path / "bad.gguf", arch, tensors)
     result = _run_job(tmp_path, model)
@@ -205,3 +204,74 @@ def test_choice_job_labels_reviews(tmp_path, smollm2_dir):
     labels = {r["id"]: r["completion"] for r in ds.dataset(str(tmp_path / "out")).to_table().to_pylist()}
     right = sum(labels[str(i)] == label for i, (_, label) in enumerate(REVIEWS))
     assert right >= len(REVIEWS) - 1, labels
+
+
+def _llama3_factors(head_dim: int, theta: float) -> tuple[list[float], dict]:
+    """llama.cpp's rope_freqs for Llama 3.1's rope scaling (each frequency's divisor), and
+    the llama3 rope settings they stand for."""
+    from batchinfer.model.rope import _rotated_inv_freq
+    params = {"rope_type": "llama3", "rope_theta": theta, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    plain = _rotated_inv_freq({"rope_type": "default", "rope_theta": theta}, head_dim)
+    return (plain / _rotated_inv_freq(params, head_dim)).tolist(), params
+
+
+def test_rope_freqs_give_llama3_positions():
+    """A GGUF's rope_freqs (how llama.cpp stores Llama 3.1's rope scaling) make the same
+    rotary table as the llama3 settings they come from."""
+    from types import SimpleNamespace
+
+    from batchinfer.model.config import _rope_parameters
+    from batchinfer.model.rope import RotaryEmbedding
+    factors, llama3 = _llama3_factors(64, 10000.0)
+    assert max(factors) > 7.9 and min(factors) == pytest.approx(1.0)  # both ends scaled
+    config = SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                             rope_freq_factors=factors, max_position_embeddings=512)
+    params = _rope_parameters(config)
+    ours = RotaryEmbedding(64, 512, params, torch.float32)
+    expected = RotaryEmbedding(64, 512, {**llama3, "partial_rotary_factor": 1.0}, torch.float32)
+    assert torch.allclose(ours.cos, expected.cos, atol=1e-4)  # float32 angles up to 512
+    assert torch.allclose(ours.sin, expected.sin, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_gguf_with_rope_freqs_runs_them(tmp_path, smollm2_dir, smollm2):
+    """The real model's file with a rope_freqs tensor added: it loads, its rotary table is
+    the llama3 one the factors stand for, and its tokens differ from the plain file's."""
+    reader = gguf.GGUFReader(smollm2_dir / MODEL_FILE)
+    arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
+    theta = float(reader.fields[f"{arch}.rope.freq_base"].contents())
+    head_dim = smollm2.llm_engine.model_config.head_dim
+    factors, llama3 = _llama3_factors(head_dim, theta)
+    out = tmp_path / "scaled.gguf"
+    writer = gguf.GGUFWriter(str(out), arch)
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
+    freqs = np.array(factors, dtype=np.float32)
+    for tensor in reader.tensors:
+        writer.add_tensor_info(tensor.name, tensor.data.shape, tensor.data.dtype,
+                               tensor.data.nbytes, tensor.tensor_type)
+    writer.add_tensor_info("rope_freqs.weight", freqs.shape, freqs.dtype, freqs.nbytes,
+                           gguf.GGMLQuantizationType.F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for tensor in reader.tensors:
+        writer.write_tensor_data(tensor.data)
+    writer.write_tensor_data(freqs)
+    writer.close()
+
+    from batchinfer.model.rope import RotaryEmbedding
+    scaled = LLM(model=str(out), dtype="float32", max_model_len=512)
+    table = scaled.llm_engine.model_runner.model.model.rotary["full_attention"]
+    expected = RotaryEmbedding(head_dim, table.cos.shape[0],
+                               {**llama3, "partial_rotary_factor": 1.0}, torch.float32)
+    assert torch.allclose(table.cos, expected.cos, atol=1e-4)
+    prompt = [list(range(1000, 1300))]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    assert scaled.generate(prompt, params)[0].outputs[0].token_ids != \
+        smollm2.generate(prompt, params)[0].outputs[0].token_ids
