@@ -251,9 +251,6 @@ class LLMEngine:
         pattern whose automaton passed one of its limits while generating for an earlier
         request is refused (ValueError naming the limit). With tensor parallelism the
         guides are rank 0's alone, as is sampling."""
-        if self.config.pipeline_parallel_size > 1:  # the last stage samples, without guides
-            raise ValueError("structured outputs by regex or JSON schema are not supported "
-                             "with pipeline parallelism yet")
         guide = self._regex_guides.pop(pattern, None)
         if guide is None:
             if self._vocab_bytes is None:

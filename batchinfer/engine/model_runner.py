@@ -296,8 +296,7 @@ class ModelRunner:
         if self.plan_sink is not None:  # (a node's first rank passes on what node 0 sent)
             self.plan_sink(plan, self.unsent_tokens if self.samples else sampled)
             self.unsent_tokens = ([], [])
-        for req_id, token in zip(*sampled):
-            self.requests[req_id].token_ids.append(token)
+        self._append_sampled(*sampled)
         self._update_states(plan)
         starts_by_id = dict(zip(plan.cached_requests.req_ids,
                                 plan.cached_requests.num_computed_tokens))
@@ -335,8 +334,7 @@ class ModelRunner:
                                          block_tables, len(decodes))
             if hidden is None:  # not the last stage: it samples, and says what
                 out = pipeline.share_output(None)
-                for req_id, token in zip(out.req_ids, out.token_ids):
-                    self.requests[req_id].token_ids.append(token)
+                self._append_sampled(out.req_ids, out.token_ids)
                 return out
         else:
             meta = self._metadata(starts, num_new, qsl, positions, block_tables, len(decodes))
@@ -347,10 +345,14 @@ class ModelRunner:
         if PipelineParallel.size > 1:
             shared = pipeline.share_output(out if self.samples else None)
             if not self.samples:  # another rank of the last stage
-                for req_id, token in zip(shared.req_ids, shared.token_ids):
-                    self.requests[req_id].token_ids.append(token)
+                self._append_sampled(shared.req_ids, shared.token_ids)
                 out = shared
         return out
+
+    def _append_sampled(self, req_ids, tokens) -> None:
+        """The tokens another rank sampled, appended to this rank's copies of the requests."""
+        for req_id, token in zip(req_ids, tokens):
+            self.requests[req_id].token_ids.append(token)
 
     def _stage_forward(self, input_ids: list[int], starts: np.ndarray, num_new: np.ndarray,
                        qsl: np.ndarray, positions: np.ndarray, block_tables: np.ndarray,

@@ -386,7 +386,8 @@ class TensorParallelGroup:
             raise RuntimeError(f"an earlier step failed part way ({self._broken}), so the "
                                "tensor-parallel ranks are out of step; shut this engine down "
                                "and start a new one")
-        data = pickle.dumps((_for_workers(plan), sampled), protocol=pickle.HIGHEST_PROTOCOL)
+        message = (_for_workers(plan), sampled)
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         try:
             for pipe in self._pipes:
                 pipe.send_bytes(data)
@@ -395,7 +396,7 @@ class TensorParallelGroup:
             self._broken = "a worker is gone"
             raise WorkerError(f"a tensor-parallel worker is gone: {error}") from None
         if self._sends_to_nodes:
-            self._to_nodes((_for_workers(plan), sampled))
+            self._to_nodes(message)
 
     @property
     def _sends_to_nodes(self) -> bool:

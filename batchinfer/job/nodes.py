@@ -22,8 +22,7 @@ def node_group(options: JobOptions):
     if (options.nnodes or 1) <= 1:
         return None
     from batchinfer.engine.nodes import NodeGroup
-    config = options.engine_config()
-    return NodeGroup(config.nnodes, config.node_rank, config.master_addr, config.master_port)
+    return NodeGroup.of(options.engine_config())
 
 
 def serves(options: JobOptions) -> bool:

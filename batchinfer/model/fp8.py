@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from batchinfer.kernels.cpu import fp8_linear
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 _MIN_SCALE = 1e-12
@@ -63,13 +65,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group_siz
            scale_ub: torch.Tensor | None = None) -> torch.Tensor:
     """x dequantize(weight)^T + bias, in x's dtype: FP8 products on GPUs that have them,
     else the weight is widened inside the product (no full-precision copy is kept)."""
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
     if x.is_cuda:
-        from batchinfer.kernels.triton import fp8_matmul
-        out = fp8_matmul.linear(x2, weight, scale, group_size, input_scale=input_scale,
-                                scale_ub=scale_ub, bias=bias)
-    else:
-        from batchinfer.kernels.cpu import fp8_linear
-        out = fp8_linear.linear(x2, weight, scale, group_size, bias=bias)
-    return out.reshape(*shape[:-1], out.shape[-1])
+        from batchinfer.kernels.triton import fp8_matmul  # (Triton: GPU installs only)
+        return fp8_matmul.linear(x, weight, scale, group_size, input_scale=input_scale,
+                                 scale_ub=scale_ub, bias=bias)
+    return fp8_linear.linear(x, weight, scale, group_size, bias=bias)
