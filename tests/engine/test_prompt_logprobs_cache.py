@@ -17,14 +17,35 @@ def engines(llama_dir):
     return LLM(**kwargs), LLM(**kwargs, enable_prefix_caching=False)
 
 
-def assert_same_prompt_logprobs(got, want):
+# two paths (cached and not) compute the same logits with other kernel shapes: values
+# within float error, and tokens that tie within it may come in either order
+EPS = 1e-5
+
+
+def assert_same_prompt_logprobs(got, want, k: int):
     assert len(got) == len(want) and got[0] is None and want[0] is None
     for x, y in zip(got[1:], want[1:]):
-        assert list(x) == list(y)  # the prompt token, then the top k by rank
-        for token in x:
-            assert x[token].rank == y[token].rank
-            assert x[token].decoded_token == y[token].decoded_token
-            assert x[token].logprob == pytest.approx(y[token].logprob, abs=1e-5)
+        token = next(iter(x))  # the prompt token comes first
+        assert next(iter(y)) == token
+        assert x[token].logprob == pytest.approx(y[token].logprob, abs=EPS)
+        assert x[token].decoded_token == y[token].decoded_token
+        # its rank counts the tokens scoring above it: a token within float error of it
+        # may fall on either side (seen on AVX2 CPUs: 137 against 138, 5e-7 apart)
+        assert abs(x[token].rank - y[token].rank) <= 1
+        top_x, top_y = _top(x, k), _top(y, k)
+        assert len(top_x) == len(top_y) == k
+        assert [v for v, _ in top_x] == pytest.approx([v for v, _ in top_y], abs=EPS)
+        values_y = dict((t, v) for v, t in top_y)
+        for (v, t), (_, other) in zip(top_x, top_y):
+            if t != other:  # a tie: the same value elsewhere in the list, or at its end
+                assert (abs(values_y.get(t, top_y[-1][0]) - v) < EPS), (t, other, top_x, top_y)
+
+
+def _top(logprobs: dict, k: int) -> list[tuple[float, int]]:
+    """The top k (value, token), highest first (the prompt token is among them when its
+    rank is k or better)."""
+    return sorted(((lp.logprob, t) for t, lp in logprobs.items() if lp.rank <= k),
+                  key=lambda e: -e[0])[:k]
 
 
 def test_scoring_requests_skip_the_prefix_an_earlier_one_scored(engines):
@@ -39,7 +60,7 @@ def test_scoring_requests_skip_the_prefix_an_earlier_one_scored(engines):
     assert computed == sum(map(len, PROMPTS)) - 2 * 80
     for out, ref in zip([first, *later], uncached.generate(PROMPTS, params)):
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
-        assert_same_prompt_logprobs(out.prompt_logprobs, ref.prompt_logprobs)
+        assert_same_prompt_logprobs(out.prompt_logprobs, ref.prompt_logprobs, 2)
 
 
 def test_another_k_computes_its_whole_prompt(engines):
@@ -49,7 +70,7 @@ def test_another_k_computes_its_whole_prompt(engines):
     out = cached.generate(PROMPTS[1:2], params)[0]
     assert out.num_cached_tokens == 0
     assert_same_prompt_logprobs(out.prompt_logprobs,
-                                uncached.generate(PROMPTS[1:2], params)[0].prompt_logprobs)
+                                uncached.generate(PROMPTS[1:2], params)[0].prompt_logprobs, 3)
 
 
 def test_a_preempted_request_keeps_to_its_own_prompt_positions(llama_dir):
@@ -66,4 +87,4 @@ def test_a_preempted_request_keeps_to_its_own_prompt_positions(llama_dir):
     out = llm.generate([b, x], [plain, greedy])[1]
     assert llm.stats()["num_preemptions"] > 0
     assert out.outputs[0].token_ids == ref.outputs[0].token_ids
-    assert_same_prompt_logprobs(out.prompt_logprobs, ref.prompt_logprobs)
+    assert_same_prompt_logprobs(out.prompt_logprobs, ref.prompt_logprobs, 1)
