@@ -33,6 +33,9 @@ class EngineConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"   # node 0's address, where the nodes meet
     master_port: int = 29501
+    # the job's secret, which a process must prove it holds to meet the nodes (else
+    # $BATCHINFER_NODE_SECRET): batchinfer.engine.node_store
+    node_secret_file: str | None = None
     attention_backend: str = "auto"
     enforce_eager: bool = False  # CUDA: run decode steps eagerly, without CUDA graphs
     device: str | None = None

@@ -156,6 +156,9 @@ NODE_FLAGS = (
     Flag("master_addr", ("--master-addr",), str, "Node 0's address, where the nodes meet."),
     Flag("master_port", ("--master-port",), click.IntRange(1, 65535),
          "The port on node 0 where the nodes meet."),
+    Flag("node_secret_file", ("--node-secret-file",), str,
+         "A file only you can read holding the job's secret, the same on every node "
+         "(default: $BATCHINFER_NODE_SECRET)."),
 )
 
 _BY_NAME = {f.name: f for f in (*ENGINE_FLAGS, *SAMPLING_FLAGS, *NODE_FLAGS)}

@@ -365,8 +365,14 @@ class LLMEngine:
         try:
             return self.model_runner.execute(plan)
         except BaseException as e:
-            if self.tensor_parallel is not None:
-                self.tensor_parallel.mark_broken(f"{type(e).__name__}: {e}")
+            if self.tensor_parallel is None:
+                raise
+            self.tensor_parallel.mark_broken(f"{type(e).__name__}: {e}")
+            # a broken collective: the rank or node that went away explains it
+            if isinstance(e, RuntimeError) and not isinstance(e, WorkerError):
+                lost = self.tensor_parallel.failure("during a step", grace_s=5.0)
+                if lost is not None:
+                    raise WorkerError(lost) from None
             raise
 
     # ---- introspection ---------------------------------------------------------------

@@ -20,7 +20,7 @@ from batchinfer.config import EngineConfig
 from batchinfer.engine.cuda_graphs import DecodeGraphs, capture_sizes, captures_decode_graphs
 from batchinfer.engine.host_memory import KVPagePopulator, keep_freed_memory
 from batchinfer.engine.sampler import Sampler, SamplingBatch, logprobs
-from batchinfer.engine.scheduler import SchedulerOutput
+from batchinfer.engine.scheduler import RunnerOutput, SchedulerOutput
 from batchinfer.model import cpu_linear
 from batchinfer.model.config import ModelConfig
 from batchinfer.model.loader import load_model, weight_bytes
@@ -75,17 +75,6 @@ class RunnerRequest:
                     if p.logit_bias else None)
             self._constraint_tensors = (allowed, bias)
         return self._constraint_tensors
-
-
-@dataclass
-class RunnerOutput:
-    req_ids: list[str]                 # the requests that sampled a token this step
-    token_ids: list[int]
-    logprobs: list[tuple[list[int], list[float], int]] | None = None  # top ids, values (+sampled), rank
-    # req id -> (first prompt position scored, per position as in logprobs)
-    prompt_logprobs: dict[str, tuple[int, list]] | None = None
-    # req id -> why its structured output cannot go on (it sampled an end-of-sequence)
-    errors: dict[str, str] | None = None
 
 
 class ModelRunner:

@@ -7,25 +7,75 @@ holds global ranks R*L .. R*L+L-1 (L ranks a node), so with tensor parallelism i
 node the pipeline stages fall on the nodes. Node 0 runs the job (input, scheduling,
 output); the others serve its steps.
 
-Node 0 serves a TCP store at HOST:P from its start; the others connect to it (waiting for
-node 0 to come up) and wait for its word: "engine" once node 0 loads the model (every rank
-then joins the process group through the same store), "done" when the job needs no engine
-(it was finished), anything else when node 0 failed before loading. A node that goes away
-breaks the store's and the group's connections, so the others fail instead of waiting.
+Node 0 serves the meeting point (batchinfer.engine.node_store) at HOST:P from its start,
+to processes holding the job's secret alone; the others connect to it (waiting for node 0
+to come up), say hello, and wait for its word: "engine" once node 0 loads the model,
+"done" when the job needs no engine (it was finished), anything else when node 0 failed
+before loading. Before the group forms, every node says which engine it would run
+(engine_identity) and node 0 compares them: nodes started with another model, dtype or
+sizes are all refused with one line naming the difference. Every process of the engine
+then joins the process group through the same store. A node that goes away closes its
+connection, which node 0 sees at once; its group connections break too, so the others
+fail instead of waiting.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
+import json
+import signal
+import sys
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 
-import torch.distributed as dist
+from batchinfer.engine.node_store import MeetingPoint, MeetingStore, node_secret
 
 WAIT_FOR_NODE0 = timedelta(hours=2)   # for node 0 to start and to decide (it may queue)
-WAIT_FOR_NODES_S = 120.0  # for the other nodes to read a "done" or "failed" (they may start late)
+WAIT_FOR_NODES_S = 120.0  # for the nodes that said hello to read a "done" or "failed"
+LATE_NODES_S = 10.0       # ... and for nodes that have not connected yet
+WAIT_FOR_IDENTITIES_S = 300.0  # for every node to say which engine it runs, after "engine"
 START = "batchinfer/start"
 SEEN = "batchinfer/seen"
+IDENTITY = "batchinfer/identity/"
+VERDICT = "batchinfer/verdict"
+SAME = "same"
+
+
+class NodeMismatch(ValueError):
+    """The nodes were started for different engines (another model, dtype or size)."""
+
+
+class NodesInterrupted(Exception):
+    """A signal ended node 0's wait for the other nodes (nothing ran yet)."""
+
+    def __init__(self, signum: int, what: str):
+        super().__init__(f"stopped by {signal.Signals(signum).name} while {what}")
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _interruptible(what: str) -> Iterator[None]:
+    """In the main thread: SIGTERM, SIGINT or SIGHUP ends the wait with NodesInterrupted
+    (whatever handler the caller has, which is back afterwards)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise NodesInterrupted(signum, what)
+
+    previous = {sig: signal.signal(sig, interrupt)
+                for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 @dataclass(frozen=True)
@@ -34,13 +84,16 @@ class NodeGroup:
     rank: int
     master_addr: str
     master_port: int
+    secret: bytes = field(repr=False)
 
     @classmethod
     def of(cls, config) -> "NodeGroup | None":
-        """The group an EngineConfig describes; None on one node."""
+        """The group an EngineConfig describes; None on one node. ValueError without a
+        secret."""
         if config.nnodes <= 1:
             return None
-        return cls(config.nnodes, config.node_rank, config.master_addr, config.master_port)
+        return cls(config.nnodes, config.node_rank, config.master_addr, config.master_port,
+                   node_secret(config.node_secret_file))
 
     def ranks_per_node(self, world: int) -> int:
         if world % self.count:
@@ -48,46 +101,145 @@ class NodeGroup:
                              f"not split evenly over nnodes {self.count}")
         return world // self.count
 
-    def store(self) -> dist.TCPStore:
-        """This process's connection to node 0's store (node 0's first call serves it)."""
-        return _store(self.master_addr, self.master_port, self.rank == 0)
+    def store(self) -> MeetingStore:
+        """This process's connection to node 0's meeting point (node 0's first call serves
+        it; another node's says hello as that node)."""
+        if self.rank == 0:
+            _serve(self.master_addr, self.master_port, self.secret)
+        return _connect(self.master_addr, self.master_port, self.secret, self.rank or None)
 
-    def worker_store(self) -> dist.TCPStore:
-        """A connection for a process that node 0's store already serves (a local worker)."""
-        return _store(self.master_addr, self.master_port, False)
+    def worker_store(self) -> MeetingStore:
+        """A connection for another process of this node (a local worker rank)."""
+        return _connect(self.master_addr, self.master_port, self.secret, None)
+
+    def left(self) -> set[int]:
+        """Node 0: the nodes that said hello and have gone since; empty elsewhere."""
+        if self.rank != 0:
+            return set()
+        return _serve(self.master_addr, self.master_port, self.secret).nodes_left()
 
     def announce(self, word: str) -> None:
         """Node 0: tell the other nodes what comes ("engine", "done", "failed"); the first
-        word stands. Node 0's store must outlive their reading a word that ends the run,
-        so for those this waits (up to WAIT_FOR_NODES_S) until every node has read it."""
+        word stands. Node 0's meeting point must outlive their reading a word that ends the
+        run, so for those this waits until every node that said hello has read it (up to
+        WAIT_FOR_NODES_S), and up to LATE_NODES_S for nodes not connected yet."""
         store = self.store()
         if store.check([START]):
             return
         store.set(START, word)
         if word == "engine":  # the group's forming waits for every node
             return
-        deadline = time.monotonic() + WAIT_FOR_NODES_S
-        while store.add(SEEN, 0) < self.count - 1 and time.monotonic() < deadline:
+        point = _serve(self.master_addr, self.master_port, self.secret)
+        start = time.monotonic()
+        while (seen := store.add(SEEN, 0)) < self.count - 1:
+            waited = time.monotonic() - start
+            if waited > WAIT_FOR_NODES_S or (waited > LATE_NODES_S
+                                             and seen >= len(point.nodes_seen())):
+                return
             time.sleep(0.1)
 
+    def announced(self) -> bool:
+        """Node 0: whether a word was announced."""
+        return self.store().check([START])
+
     def wait_for_word(self) -> str:
-        """Another node: node 0's word; ConnectionError when node 0 is gone."""
+        """Another node: node 0's word; ConnectionError when node 0 is gone or refuses this
+        node (another secret)."""
         try:
             store = self.store()
-            word = store.get(START).decode()
+            word = store.get_within(START, WAIT_FOR_NODE0.total_seconds()).decode()
             store.add(SEEN, 1)
             return word
-        except (dist.DistNetworkError, RuntimeError) as e:
+        except (OSError, TimeoutError) as e:
             raise ConnectionError(f"node 0 ({self.master_addr}:{self.master_port}) went away "
-                                  f"before it started the engine: {str(e).splitlines()[0]}") from None
+                                  f"before it started the engine: {e}") from None
+
+    def agree(self, identity: dict) -> None:
+        """Every node: check that all nodes run the same engine, before the group forms.
+        Node 0 waits for every node's identity and says whether they match; NodeMismatch
+        (on every node) names what differs."""
+        store = self.store()
+        if self.rank != 0:
+            store.set(f"{IDENTITY}{self.rank}", json.dumps(identity, sort_keys=True))
+            verdict = store.get_within(VERDICT, WAIT_FOR_IDENTITIES_S + 60).decode()
+            if verdict != SAME:
+                raise NodeMismatch(verdict)
+            return
+        keys = [f"{IDENTITY}{r}" for r in range(1, self.count)]
+        deadline = time.monotonic() + WAIT_FOR_IDENTITIES_S
+        said = False
+        with _interruptible("waiting for the other nodes to say which engine they run"):
+            while not store.check(keys):
+                if not said and time.monotonic() > deadline - WAIT_FOR_IDENTITIES_S + 2:
+                    missing = [r for r, k in enumerate(keys, 1) if not store.check([k])]
+                    print(f"batchinfer: waiting for node(s) {', '.join(map(str, missing))} to "
+                          f"join (up to {WAIT_FOR_IDENTITIES_S:.0f} s)", file=sys.stderr,
+                          flush=True)
+                    said = True
+                if left := self.left():
+                    raise ConnectionError(f"node {min(left)} left before the engine started")
+                if time.monotonic() > deadline:
+                    missing = [r for r, k in enumerate(keys, 1) if not store.check([k])]
+                    raise TimeoutError(f"node(s) {', '.join(map(str, missing))} did not say "
+                                       f"which engine they run within "
+                                       f"{WAIT_FOR_IDENTITIES_S:.0f} s")
+                time.sleep(0.05)
+        differences = []
+        for r, key in enumerate(keys, 1):
+            theirs = json.loads(store.get(key))
+            for name in sorted(set(identity) | set(theirs)):
+                if identity.get(name) != theirs.get(name):
+                    differences.append(f"node {r} has {name} {_short(theirs.get(name))} where "
+                                       f"node 0 has {_short(identity.get(name))}")
+        verdict = SAME
+        if differences:
+            verdict = ("the nodes were started for different engines: "
+                       f"{'; '.join(differences)}; start every node with the same command "
+                       "and the same model files")
+        store.set(VERDICT, verdict)
+        if differences:
+            raise NodeMismatch(verdict)
+
+
+def engine_identity(config, model_path: Path, dtype, max_model_len: int) -> dict:
+    """What every node of one engine must share: the engine's settings, the model files'
+    names and sizes and its config's hash, batchinfer's version. Paths, addresses and the
+    node's own rank may differ."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        release = version("batchinfer")
+    except PackageNotFoundError:
+        release = "unknown"
+    local = {"model", "tokenizer", "node_rank", "master_addr", "master_port",
+             "node_secret_file", "device"}
+    identity = {name: value for name, value in vars(config).items() if name not in local}
+    path = Path(model_path)
+    files = [path] if path.is_file() else sorted(
+        p for p in path.iterdir() if p.suffix in (".safetensors", ".gguf", ".bin", ".pt"))
+    identity["model files"] = {p.name: p.stat().st_size for p in files}
+    config_file = path / "config.json"
+    if config_file.is_file():
+        identity["model config.json"] = hashlib.sha256(config_file.read_bytes()).hexdigest()[:16]
+    identity.update({"the model's dtype": str(dtype).removeprefix("torch."),
+                     "the context length": max_model_len,
+                     "batchinfer": release})
+    return identity
+
+
+def _short(value) -> str:
+    text = json.dumps(value, sort_keys=True)
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 @functools.cache
-def _store(addr: str, port: int, serve: bool) -> dist.TCPStore:
-    try:
-        return dist.TCPStore(addr, port, is_master=serve, wait_for_workers=False,
-                             timeout=WAIT_FOR_NODE0)
-    except (dist.DistNetworkError, RuntimeError) as e:
-        what = "serve" if serve else "reach"
-        raise ConnectionError(f"cannot {what} the nodes' meeting point {addr}:{port} "
-                              f"(--master-addr/--master-port): {str(e).splitlines()[0]}") from None
+def _serve(addr: str, port: int, secret: bytes) -> MeetingPoint:
+    return MeetingPoint(addr, port, secret)
+
+
+@functools.cache
+def _connect(addr: str, port: int, secret: bytes, node_rank: int | None) -> MeetingStore:
+    store = MeetingStore(addr, port, secret, connect_timeout=WAIT_FOR_NODE0,
+                         timeout=WAIT_FOR_NODE0)
+    if node_rank is not None:
+        store.hello(node_rank)
+    return store

@@ -6,9 +6,10 @@ cut into micro-batches of about equal tokens (up to one per stage), and a stage 
 micro-batch's (hidden, residual) on to the next stage as soon as it has run it, so while
 the second stage runs the first micro-batch the first stage runs the second (GPipe's
 schedule within a step). The last stage samples the whole step at once, as one process
-would, and broadcasts its RunnerOutput to every rank, which append the sampled tokens to
-their own copies of the requests. Tensors go point to point over the device group (NCCL
-on GPUs, gloo on CPUs); the output goes over the gloo group.
+would, and broadcasts its RunnerOutput to every rank (encoded by batchinfer.engine.wire,
+never pickled), which append the sampled tokens to their own copies of the requests.
+Tensors go point to point over the device group (NCCL on GPUs, gloo on CPUs); the output
+goes over the gloo group.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from batchinfer.engine import wire
 from batchinfer.model.parallel import PipelineParallel, TensorParallel
 
 
@@ -67,7 +69,7 @@ def wait(pending: list) -> None:
 def share_output(output):
     """The last stage's output of the step, on every rank (the last stage's first
     tensor-parallel rank sends it)."""
-    box = [output]
     src = (PipelineParallel.size - 1) * TensorParallel.size
-    dist.broadcast_object_list(box, src=src, group=TensorParallel.cpu_group)
-    return box[0]
+    data = wire.broadcast_bytes(wire.encode_output(output) if output is not None else None,
+                                src, TensorParallel.cpu_group)
+    return output if output is not None else wire.decode_output(data)

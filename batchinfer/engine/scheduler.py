@@ -48,6 +48,19 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
 
 
+@dataclass
+class RunnerOutput:
+    """What a step sampled: plain data, shared with the other ranks under pipeline
+    parallelism (batchinfer.engine.wire)."""
+    req_ids: list[str]                 # the requests that sampled a token this step
+    token_ids: list[int]
+    logprobs: list[tuple[list[int], list[float], int]] | None = None  # top ids, values (+sampled), rank
+    # req id -> (first prompt position scored, per position as in logprobs)
+    prompt_logprobs: dict[str, tuple[int, list]] | None = None
+    # req id -> why its structured output cannot go on (it sampled an end-of-sequence)
+    errors: dict[str, str] | None = None
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
         self.kv = kv

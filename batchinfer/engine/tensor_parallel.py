@@ -6,9 +6,11 @@ and KV heads (batchinfer.model.parallel cuts them); rank 0 schedules and sends e
 plan to the workers, and all ranks execute it together, meeting in the all-reduces of the
 forward pass and, between stages, in the sends of batchinfer.engine.pipeline.
 
-Plans travel over a pipe to each worker rather than a collective: a worker waits for its
-next plan as long as rank 0 is idle (a collective would time out), and a pipe closes when
-either end dies.
+Plans travel over a pipe to each worker of the node rather than a collective: a worker
+waits for its next plan as long as rank 0 is idle (a collective would time out), and a
+pipe closes when either end dies. Only a node's own processes read that pipe, so it
+carries pickles; to the other nodes' first ranks node 0 broadcasts the plan encoded by
+batchinfer.engine.wire, which runs no code when read.
 
 Rank 0 alone samples, from the logits every rank all-gathers, and the tokens it sampled in
 a step travel with the next plan: a worker needs them only as that step's inputs, so they
@@ -53,7 +55,8 @@ import torch.distributed as dist
 from batchinfer.config import EngineConfig
 from batchinfer.engine.scheduler import SchedulerOutput
 from batchinfer.model.config import ModelConfig
-from batchinfer.engine.nodes import WAIT_FOR_NODE0, NodeGroup
+from batchinfer.engine import wire
+from batchinfer.engine.nodes import WAIT_FOR_NODE0, NodeGroup, engine_identity
 from batchinfer.model.parallel import PipelineParallel, TensorParallel
 
 STARTUP_TIMEOUT_S = 600.0       # for every worker to start and import torch
@@ -257,8 +260,11 @@ class TensorParallelGroup:
             torch.set_num_threads(threads)
         self._pipes, self.workers = [], []
         try:
-            if nodes is not None and nodes.rank == 0:
-                nodes.announce("engine")
+            if nodes is not None:
+                if nodes.rank == 0:
+                    nodes.announce("engine")
+                nodes.agree(engine_identity(args.config, args.model_path, args.dtype,
+                                            args.max_model_len))
             for local_rank in range(1, local):
                 rank = self.first_rank + local_rank
                 recv, send = ctx.Pipe(duplex=False)
@@ -281,14 +287,13 @@ class TensorParallelGroup:
         """A node other than node 0: run the plans node 0 sends until it shuts the group
         down (ConnectionError when it goes away instead)."""
         while True:
-            box = [None]
             try:
-                dist.broadcast_object_list(box, src=0, group=self._leaders)
+                data = wire.broadcast_bytes(None, 0, self._leaders)
             except (dist.DistNetworkError, RuntimeError) as e:
                 raise ConnectionError(f"node 0 went away: {str(e).splitlines()[0]}") from None
-            if box[0] is None:
+            if not data:
                 return
-            runner.execute(*box[0])
+            runner.execute(*wire.decode_plan(data))
 
     def _join_watching_workers(self, size: int, meet: Rendezvous, device: torch.device,
                                tp_size: int) -> None:
@@ -296,7 +301,7 @@ class TensorParallelGroup:
         rank has joined, so a worker that dies inside its own join would otherwise leave
         rank 0 waiting out the rendezvous timeout (30 minutes of a GPU node) before failing."""
         global _stranded_join
-        failure: list[BaseException] = []
+        errors: list[BaseException] = []
 
         def join() -> None:
             try:
@@ -304,24 +309,24 @@ class TensorParallelGroup:
                     torch.cuda.set_device(rank_device(device, 0))
                 self._leaders = _join(self.first_rank, size, meet, device, tp_size, leader=True)
             except BaseException as e:
-                failure.append(e)
+                errors.append(e)
 
         thread = threading.Thread(target=join, name="batchinfer-tp-join", daemon=True)
         thread.start()
         try:
             while thread.is_alive():
                 thread.join(0.5)
-                failed = self.failed_worker("while the group formed")
+                failed = self.failure("while the group formed")
                 if thread.is_alive() and failed:
                     raise WorkerError(failed)
         finally:
             if thread.is_alive():  # given up (or Ctrl-C): blocked in the rendezvous until
                 _stranded_join = thread  # it times out, so no new join may start meanwhile
-        if failure:
+        if errors:
             # a join broken by a worker's death (a reset connection) is explained by it
-            if failed := self.failed_worker("while the group formed", grace_s=5.0):
-                raise WorkerError(failed) from failure[0]
-            raise failure[0]
+            if failed := self.failure("while the group formed", grace_s=5.0):
+                raise WorkerError(failed) from errors[0]
+            raise errors[0]
 
     def failed_worker(self, when: str, grace_s: float = 0.0) -> str | None:
         """Once a worker is gone, what happened (its traceback, or its exit code), as an
@@ -337,6 +342,21 @@ class TensorParallelGroup:
         if error is not None:
             return f"tensor-parallel worker failed {when}: {error}"
         return f"tensor-parallel worker {dead[0].name} exited (exit code {dead[0].exitcode}) {when}"
+
+    def failure(self, when: str, grace_s: float = 0.0) -> str | None:
+        """What broke the group, as an error message: a worker of this node that is gone
+        (failed_worker), or on node 0 another node whose connection closed; None while
+        all are there (after waiting up to grace_s for one to go)."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            if failed := self.failed_worker(when):
+                return failed
+            if self.nodes is not None and (left := self.nodes.left()):
+                return (f"node {min(left)} of the engine went away {when} (its connection "
+                        "to node 0 closed: the node's process ended or its host is gone)")
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
 
     def _wait_for(self, stage: str) -> None:
         """Every worker reports `stage`, or the first failure is raised with its traceback."""
@@ -386,8 +406,7 @@ class TensorParallelGroup:
             raise RuntimeError(f"an earlier step failed part way ({self._broken}), so the "
                                "tensor-parallel ranks are out of step; shut this engine down "
                                "and start a new one")
-        message = (_for_workers(plan), sampled)
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        data = pickle.dumps((_for_workers(plan), sampled), protocol=pickle.HIGHEST_PROTOCOL)
         try:
             for pipe in self._pipes:
                 pipe.send_bytes(data)
@@ -396,19 +415,20 @@ class TensorParallelGroup:
             self._broken = "a worker is gone"
             raise WorkerError(f"a tensor-parallel worker is gone: {error}") from None
         if self._sends_to_nodes:
-            self._to_nodes(message)
+            self._to_nodes(wire.encode_plan(plan, sampled))
 
     @property
     def _sends_to_nodes(self) -> bool:
         return self._leaders is not None and self.first_rank == 0
 
-    def _to_nodes(self, plan) -> None:
-        """Node 0: a plan (None: shut down) to the other nodes' first ranks."""
+    def _to_nodes(self, plan: bytes) -> None:
+        """Node 0: an encoded plan (empty: shut down) to the other nodes' first ranks."""
         try:
-            dist.broadcast_object_list([plan], src=0, group=self._leaders)
+            wire.broadcast_bytes(plan, 0, self._leaders)
         except (dist.DistNetworkError, RuntimeError) as e:
             self._broken = "a node is gone"
-            raise WorkerError(f"a node of the group is gone: {str(e).splitlines()[0]}") from None
+            raise WorkerError(self.failure("during a step", grace_s=5.0) or
+                              f"a node of the group is gone: {str(e).splitlines()[0]}") from None
 
     def shutdown(self) -> None:
         """Stop the workers and leave the group; the engine cannot step after this."""
@@ -419,7 +439,7 @@ class TensorParallelGroup:
         # that failed) they are in the start's collectives, which leaving the group breaks
         if self._sends_to_nodes and self._broken is None and self._built:
             try:
-                self._to_nodes(None)
+                self._to_nodes(b"")
             except WorkerError:
                 pass
         for pipe in self._pipes:

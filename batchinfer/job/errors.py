@@ -15,3 +15,17 @@ class OutputFailed(JobError):
     """Writing the output failed while the job ran (a full disk, an I/O error): one line
     naming the path and the cause, exit code 1. What was committed before stays."""
     exit_code = 1
+
+
+class EngineFailed(JobError):
+    """The engine lost a rank or a node while the job ran: one line naming it, exit code
+    1. What was committed before stays."""
+    exit_code = 1
+
+
+class Stopped(JobError):
+    """A signal stopped the job before it ran anything: exit code 128 + the signal."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum

@@ -31,7 +31,7 @@ def serves(options: JobOptions) -> bool:
 
 
 @contextlib.contextmanager
-def announcing(options: JobOptions) -> Iterator[None]:
+def announcing(options: JobOptions, err: TextIO | None = None) -> Iterator[None]:
     """Node 0: serve the meeting point for the job's time; when it ends without having
     started the engine, tell the other nodes so ("done", or "failed" on an error)."""
     nodes = node_group(options)
@@ -44,22 +44,31 @@ def announcing(options: JobOptions) -> Iterator[None]:
         raise JobError(str(e)) from None
     try:
         yield
-    except BaseException:
-        nodes.announce("failed")
+    except BaseException as e:
+        if not nodes.announced():  # (else the nodes are in the engine: its end ends theirs)
+            print(f"batchinfer: node 0 stopped ({_first_line(e)}); telling the other nodes",
+                  file=err or sys.stderr, flush=True)
+            nodes.announce("failed")
         raise
     nodes.announce("done")
 
 
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def serve_node(options: JobOptions, err: TextIO | None = None) -> int:
     """A node other than node 0: wait for node 0's word, then serve its engine until it
-    shuts it down. Signals are left to node 0 (it commits, then shuts the engine down);
-    a node 0 that goes away ends this one with exit 1."""
+    shuts it down. A signal ends the wait (there is nothing to save yet); once the engine
+    runs, signals are left to node 0 (it commits, then shuts the engine down). Exit 2 when
+    the nodes were started for different engines, 1 when node 0 goes away or refuses this
+    node's secret."""
     err = err or sys.stderr
     options.validate()
     nodes = node_group(options)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    print(f"batchinfer: node {nodes.rank}: waiting for node 0 at {nodes.master_addr}:"
+          f"{nodes.master_port}", file=err, flush=True)
     try:
         word = nodes.wait_for_word()
     except ConnectionError as e:
@@ -73,12 +82,22 @@ def serve_node(options: JobOptions, err: TextIO | None = None) -> int:
         print(f"batchinfer: node {nodes.rank}: node 0 stopped before starting the engine",
               file=err)
         return 1
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     from batchinfer.demo import resolve_model
     from batchinfer.engine.engine import LLMEngine
-    engine = LLMEngine.from_kwargs(resolve_model(options.model), **options.engine_kwargs())
+    from batchinfer.engine.nodes import NodeMismatch
+    try:
+        engine = LLMEngine.from_kwargs(resolve_model(options.model), **options.engine_kwargs())
+    except NodeMismatch as e:
+        print(f"batchinfer: node {nodes.rank}: {e}", file=err)
+        return 2
+    except ConnectionError as e:
+        print(f"batchinfer: node {nodes.rank}: {e}", file=err)
+        return 1
     try:
         engine.serve()
-    except ConnectionError as e:
+    except (ConnectionError, ValueError) as e:
         print(f"batchinfer: node {nodes.rank}: {e}", file=err)
         return 1
     finally:

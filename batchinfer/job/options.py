@@ -83,6 +83,7 @@ class JobOptions:
     node_rank: int | None = None
     master_addr: str | None = None
     master_port: int | None = None
+    node_secret_file: str | None = None
     quantization: str | None = None
     device: str | None = None
     tokenizer: str | None = None
@@ -176,6 +177,23 @@ class JobOptions:
         self.system_prompt_text()
         self.chat_template_text()
         self.template_kwargs()
+        if (self.nnodes or 1) > 1:
+            self._check_nodes()
+
+    def _check_nodes(self) -> None:
+        """A multi-node job: the secret is there and --master-addr resolves."""
+        import socket
+        from batchinfer.engine.node_store import node_secret
+        try:
+            node_secret(self.node_secret_file)
+        except ValueError as e:
+            raise JobError(f"--nnodes {self.nnodes}: {e}") from None
+        addr = self.master_addr or "127.0.0.1"
+        try:
+            socket.getaddrinfo(addr, self.master_port or 29501, type=socket.SOCK_STREAM)
+        except socket.gaierror as e:
+            raise JobError(f"--master-addr {addr}: cannot resolve it ({e.strerror}); give "
+                           "node 0's host name or address") from None
 
     def _check_textfile(self, textfile: Path) -> None:
         """--metrics-textfile: a file in an existing directory, or in OUTDIR/__batchinfer__

@@ -23,7 +23,7 @@ from batchinfer.engine.gc_freeze import startup_heap_frozen
 from batchinfer.flags import SAMPLING_NAMES, engine_flags_in
 from batchinfer.model.generation_config import FILE_NAME, describe
 from batchinfer.job.durable import os_error_message
-from batchinfer.job.errors import JobError, OutputFailed
+from batchinfer.job.errors import EngineFailed, JobError, OutputFailed, Stopped
 from batchinfer.job.manifest import Manifest, OutputDir, fingerprint, now_iso
 from batchinfer.job.nodes import announcing
 from batchinfer.job.metrics import JobMetrics
@@ -158,7 +158,7 @@ def run_job(options: JobOptions, engine_factory: EngineFactory | None = None,
     """Run (or continue) a job. Raises JobError for mistakes the user must fix."""
     out, err = out or sys.stdout, err or sys.stderr
     options.validate()
-    with announcing(options):  # across nodes: the others wait for node 0's word
+    with announcing(options, err):  # across nodes: the others wait for node 0's word
         return _run_job(options, engine_factory, out, err)
 
 
@@ -217,6 +217,9 @@ def _run_engine(options: JobOptions, source: Source, plan: _Plan, writer: PartWr
                 engine_factory: EngineFactory, err: TextIO) -> bool:
     """Start the metrics and the engine, run the loop. Returns True when every row was
     processed, False when stopped by a signal."""
+    # (these import torch)
+    from batchinfer.engine.nodes import NodesInterrupted
+    from batchinfer.engine.tensor_parallel import WorkerError
     metrics = JobMetrics(options.metrics_textfile, options.metrics_interval)
     if total is not None:
         metrics.set_total(total)
@@ -243,6 +246,10 @@ def _run_engine(options: JobOptions, source: Source, plan: _Plan, writer: PartWr
             raise JobError(f"--model {options.model}: {e}") from None
         except ValueError as e:
             raise JobError(f"cannot start the engine: {engine_flags_in(str(e))}") from None
+        except (ConnectionError, TimeoutError, WorkerError) as e:  # a node or rank is gone
+            raise EngineFailed(f"cannot start the engine: {e}") from None
+        except NodesInterrupted as e:
+            raise Stopped(str(e), e.signum) from None
         try:
             parser = _check_with_engine(options, engine)
             progress = Progress(total, len(done), options.progress, err,
@@ -250,6 +257,10 @@ def _run_engine(options: JobOptions, source: Source, plan: _Plan, writer: PartWr
             loop = _Loop(options, source, plan, writer, done, engine, metrics, progress, parser)
             try:
                 return loop.run(stop)
+            except WorkerError as e:  # a rank or node of the engine is gone
+                raise EngineFailed(f"{e}; {len(done)} rows are committed in "
+                                   f"{options.output_dir()}; run the same command again (on "
+                                   "every node) to continue") from None
             finally:
                 progress.close()
         finally:
