@@ -43,6 +43,7 @@ START = "batchinfer/start"
 SEEN = "batchinfer/seen"
 IDENTITY = "batchinfer/identity/"
 VERDICT = "batchinfer/verdict"
+VERDICT_SEEN = "batchinfer/verdict-seen"
 SAME = "same"
 
 
@@ -160,8 +161,13 @@ class NodeGroup:
         (on every node) names what differs."""
         store = self.store()
         if self.rank != 0:
-            store.set(f"{IDENTITY}{self.rank}", json.dumps(identity, sort_keys=True))
-            verdict = store.get_within(VERDICT, WAIT_FOR_IDENTITIES_S + 60).decode()
+            try:
+                store.set(f"{IDENTITY}{self.rank}", json.dumps(identity, sort_keys=True))
+                verdict = store.get_within(VERDICT, WAIT_FOR_IDENTITIES_S + 60).decode()
+                store.add(VERDICT_SEEN, 1)
+            except (OSError, TimeoutError) as e:
+                raise ConnectionError(f"node 0 went away while the nodes compared their "
+                                      f"engines: {e}") from None
             if verdict != SAME:
                 raise NodeMismatch(verdict)
             return
@@ -197,7 +203,11 @@ class NodeGroup:
                        f"{'; '.join(differences)}; start every node with the same command "
                        "and the same model files")
         store.set(VERDICT, verdict)
-        if differences:
+        if differences:  # the nodes read it before node 0 ends (they are all connected)
+            deadline = time.monotonic() + LATE_NODES_S
+            while (store.add(VERDICT_SEEN, 0) < self.count - 1 and not self.left()
+                   and time.monotonic() < deadline):
+                time.sleep(0.05)
             raise NodeMismatch(verdict)
 
 
