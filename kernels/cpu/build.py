@@ -1,8 +1,8 @@
 """Building the C kernels for CPUs (kernels/cpu/*.c) on first use.
 
-Each source is compiled with GCC at -O3 -march=native with OpenMP and linked to the
-libgomp torch itself loaded, so the kernels run on torch's threads: a second OpenMP runtime
-would keep its own threads spinning while torch's run. The library is cached under the
+Each source is compiled with GCC at -O3 -march=native (or $BATCHINFER_CPU_ARCH) with
+OpenMP and linked to the libgomp torch itself loaded, so the kernels run on torch's
+threads: a second OpenMP runtime would keep its own threads spinning while torch's run. The library is cached under the
 cache root's kernels/ (batchinfer.paths; by default ~/.cache/batchinfer/kernels), keyed by
 the sources, the compiler, its flags and the CPU, so nodes of a cluster that share a home
 directory never load each other's builds; concurrent builders never see a half-written one.
@@ -20,6 +20,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -36,6 +37,7 @@ from batchinfer.paths import cache_root
 log = logging.getLogger(__name__)
 
 ENV_SWITCH = "BATCHINFER_CPU_KERNELS"
+ARCH_ENV = "BATCHINFER_CPU_ARCH"
 T = TypeVar("T")
 HERE = Path(__file__).parent
 
@@ -85,8 +87,17 @@ def has_amx() -> bool:
                for line in cpu_identity().splitlines())
 
 
+def target_arch() -> str:
+    """GCC's -march for the kernels: $BATCHINFER_CPU_ARCH (x86-64-v3 is AVX2 + FMA,
+    x86-64-v4 AVX-512), else native. An AVX2 build runs and is tested on an AVX-512 host."""
+    arch = os.environ.get(ARCH_ENV, "").strip() or "native"
+    if not re.fullmatch(r"[A-Za-z0-9_.+-]+", arch):
+        raise ValueError(f"${ARCH_ENV} {arch!r} is not a -march value (native, x86-64-v3, ...)")
+    return arch
+
+
 def _flags() -> list[str]:
-    flags = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11", f"-I{HERE}"]
+    flags = ["-O3", f"-march={target_arch()}", "-fopenmp", "-fPIC", "-std=gnu11", f"-I{HERE}"]
     if platform.machine() in ("x86_64", "AMD64"):
         # GCC otherwise splits 512-bit vector code into 256-bit halves on AVX-512 hosts
         flags.append("-mprefer-vector-width=512")
@@ -176,6 +187,6 @@ def _build(source: Path) -> Path | None:
                 if not target.is_file():
                     _compile(compiler, source, runtime, target)
         return target
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+    except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as e:
         log.warning("%s could not be built (%s); the torch path runs instead", what, e)
         return None

@@ -5,7 +5,11 @@ NaN in every slot outside a context, so a read past a sequence's range, or a mas
 that leaks, shows as NaN."""
 from __future__ import annotations
 
+import ctypes
 import logging
+import platform
+import shutil
+import subprocess
 import tempfile
 
 import pytest
@@ -258,3 +262,27 @@ def test_a_read_only_cache_builds_in_the_temp_dir(fresh_loader, kernel, monkeypa
 def test_amx_is_read_from_the_flags_line(monkeypatch, identity, amx):
     monkeypatch.setattr(cpu.build, "cpu_identity", lambda: identity)
     assert cpu.build.has_amx() is amx
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 -march levels")
+def test_the_target_arch_is_chosen_by_the_environment(fresh_loader, monkeypatch, caplog):
+    """BATCHINFER_CPU_ARCH=x86-64-v3 builds the AVX2 kernels (no 512-bit registers, no
+    AVX512-BF16 instructions) on any x86-64 host, in a library of its own; a value that
+    is no -march falls back to the torch path with a warning naming it."""
+    monkeypatch.setenv(cpu.build.ARCH_ENV, "x86-64-v3")
+    assert "-march=x86-64-v3" in cpu.build._flags()
+    avx2 = cpu.build.build(cpu.shared_prefix.SOURCE)
+    assert avx2 is not None
+    assert not ctypes.CDLL(str(avx2)).shared_prefix_bf16_available()
+    objdump = shutil.which("objdump")
+    if objdump:
+        code = subprocess.run([objdump, "-d", str(avx2)], capture_output=True, text=True).stdout
+        assert "ymm" in code and "zmm" not in code
+    monkeypatch.setattr(cpu.build, "_built", {})
+    monkeypatch.delenv(cpu.build.ARCH_ENV)
+    assert cpu.build.build(cpu.shared_prefix.SOURCE) != avx2  # native: another build
+    monkeypatch.setattr(cpu.build, "_built", {})
+    monkeypatch.setenv(cpu.build.ARCH_ENV, "native; rm -rf /")
+    with caplog.at_level(logging.WARNING, logger=cpu.build.__name__):
+        assert cpu.build.build(cpu.shared_prefix.SOURCE) is None
+    assert "BATCHINFER_CPU_ARCH" in caplog.text and "torch path" in caplog.text
