@@ -50,6 +50,18 @@ def _options(f):
           help="Jinja chat template file used instead of the tokenizer's."),
         O("--chat-template-kwargs", metavar="JSON",
           help='Extra chat template variables, e.g. \'{"enable_thinking": false}\'.'),
+        O("--prompt-template", metavar="TEXT|@FILE",
+          help="Jinja template rendering each row's prompt from its columns, e.g. "
+               "'Summarize {{ title }}'."),
+        O("--messages-template", metavar="@FILE",
+          help="JSON or TOML list of {role, content} chat messages, each content a "
+               "template over the row's columns."),
+        O("--keep-prompt/--no-keep-prompt", default=None,
+          help="Add a `prompt` column: the text each row's prompt was made of."),
+        O("--sampling-columns", is_flag=False, flag_value="all", metavar="[NAMES]",
+          help="Columns named like the sampling flags (max_tokens, temperature, top_p, "
+               "top_k, min_p, seed, n, stop, json_schema, regex, choice) set their row's "
+               "value; alone: each of them INPUT has; or a comma-separated subset."),
         O("--id-column", help="Column whose value becomes `id` (default: the row index)."),
         O("--limit", type=click.IntRange(min=0), help="Process only the first N input rows."),
         # SamplingParams (batchinfer/flags.py), then constraints on every completion

@@ -1,7 +1,9 @@
 """Job files: TOML holding any option of `batchinfer run` (flags given too override it).
 
 Keys are option names with dashes or underscores (`max-tokens = 64`); tables such as
-`[sampling]` or `[engine]` may group them and are flattened. Relative paths (input,
+`[sampling]` or `[engine]` may group them and are flattened. A `[messages]` table (role ->
+template) or `[[messages]]` list ({role, content}) is the --messages-template;
+`sampling-columns` is true (every known name) or a list of names. Relative paths (input,
 output, metrics textfile, `@file` system prompts, a model or tokenizer directory) are
 resolved against the folder of the job file, so a job file runs the same from any working
 directory.
@@ -34,6 +36,8 @@ def load_job_file(path: str | Path) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as e:
         raise JobError(f"--config {path}: invalid TOML: {e}") from None
     values: dict[str, Any] = {}
+    if "messages" in data:
+        values["messages_template"] = _messages(data.pop("messages"), path)
     for key, value in data.items():
         if key.replace("-", "_") in _TABLE_VALUED and isinstance(value, dict):
             value = json.dumps(value)  # a TOML table of values, not a section
@@ -45,8 +49,20 @@ def load_job_file(path: str | Path) -> dict[str, Any]:
                 v = json.dumps(v)
             if name in values:
                 raise JobError(f"--config {path}: {name!r} is given twice")
+            if name == "sampling_columns" and (v is True or isinstance(v, list)):
+                v = "all" if v is True else ",".join(map(str, v))
             values[name] = v
     return _resolve_paths(values, path.parent)
+
+
+def _messages(value: Any, path: Path) -> str:
+    """The `messages` of a job file as the JSON text --messages-template takes."""
+    if isinstance(value, dict):  # role -> template, in order
+        value = [{"role": role, "content": content} for role, content in value.items()]
+    if not isinstance(value, list):
+        raise JobError(f"--config {path}: messages must be a table (role -> template) or a "
+                       "list of {role, content} tables")
+    return json.dumps(value)
 
 
 def _resolve_paths(values: dict[str, Any], base: Path) -> dict[str, Any]:
@@ -58,9 +74,10 @@ def _resolve_paths(values: dict[str, Any], base: Path) -> dict[str, Any]:
         value = values.get(key)
         if isinstance(value, str) and not (key == "input" and value.startswith("hf:")):
             values[key] = resolve(value)
-    prompt = values.get("system_prompt")
-    if isinstance(prompt, str) and prompt.startswith("@"):
-        values["system_prompt"] = "@" + resolve(prompt[1:])
+    for key in ("system_prompt", "prompt_template", "messages_template"):
+        text = values.get(key)
+        if isinstance(text, str) and text.startswith("@"):
+            values[key] = "@" + resolve(text[1:])
     for key in ("model", "tokenizer"):  # a directory beside the job file, else as given
         name = values.get(key)
         if isinstance(name, str) and name != "demo" and (base / name).is_dir():

@@ -90,8 +90,8 @@ def fingerprint(job: dict[str, Any]) -> str:
 def real_differences(recorded: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """The settings that make `new` another job than the `recorded` one, leaving out what
     only looks different: a setting the record does not hold (a job description that names
-    fewer things is taken as agreeing on the rest), except a sampling setting that `new`
-    gives a value (added since the record was made, it would change the rows still to
+    fewer things is taken as agreeing on the rest), except a sampling or row setting
+    (templates, sampling columns) that `new` gives a value (added since the record was made, it would change the rows still to
     come), a model or tokenizer path naming the same directory, and input files recorded
     without a content digest that agree on path and size."""
     def same_dir(a: Any, b: Any) -> bool:
@@ -114,7 +114,8 @@ def real_differences(recorded: dict[str, Any], new: dict[str, Any]) -> list[str]
     out = []
     for name in job_differences(recorded, new):
         if not recorded_holds(name):
-            if name.startswith("sampling.") and value(new, name) not in (None, False, [], {}):
+            if name.startswith(("sampling.", "rows.")) and value(new, name) not in (
+                    None, False, [], {}):
                 out.append(name)
             continue
         if name in ("model", "tokenizer") and same_dir(recorded[name], new[name]):

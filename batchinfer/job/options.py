@@ -11,7 +11,9 @@ from batchinfer.flags import (ENGINE_NAMES, NODE_NAMES, SAMPLING_NAMES, engine_f
                               engine_kwargs)
 from batchinfer.job.errors import JobError
 from batchinfer.job.manifest import META_DIR, digest_of_text
+from batchinfer.job.row_sampling import ALL_SAMPLING_COLUMNS, SAMPLING_COLUMNS
 from batchinfer.job.shard import Shard
+from batchinfer.job.templates import parse_messages, read_template_text
 from batchinfer.job.text_rows import MAX_ROW_BYTES
 from batchinfer.sampling_params import SamplingParams
 
@@ -38,6 +40,10 @@ class JobOptions:
     chat_template: str | None = None
     chat_template_kwargs: str | None = None
     id_column: str | None = None
+    prompt_template: str | None = None
+    messages_template: str | None = None
+    keep_prompt: bool = False
+    sampling_columns: str | None = None
     limit: int | None = None
     # SamplingParams
     n: int | None = None
@@ -167,8 +173,10 @@ class JobOptions:
         if (self.n or 1) > self.max_n:
             raise JobError(f"--n {self.n} is over --max-n {self.max_n} completions per row; "
                            "raise --max-n to allow it")
-        if self.prompt_column and self.messages_column:
-            raise JobError("give only one of --prompt-column and --messages-column")
+        given = [flag(name) for name in ("prompt_column", "messages_column", "prompt_template",
+                                         "messages_template") if getattr(self, name)]
+        if len(given) > 1:
+            raise JobError(f"{' and '.join(given)} cannot be combined; give one of them")
         _check_can_hold(self.output, "--output")
         if self.metrics_textfile is not None:
             self._check_textfile(Path(self.metrics_textfile).expanduser())
@@ -177,6 +185,9 @@ class JobOptions:
         self.system_prompt_text()
         self.chat_template_text()
         self.template_kwargs()
+        self.prompt_template_text()
+        self.messages_template_list()
+        self.sampling_column_names()
         if (self.nnodes or 1) > 1:
             self._check_nodes()
 
@@ -279,6 +290,33 @@ class JobOptions:
         except (OSError, UnicodeDecodeError) as e:
             raise JobError(f"--system-prompt {text}: cannot read {path}: {e}")
 
+    def prompt_template_text(self) -> str | None:
+        """--prompt-template as given, or the contents of the file after an "@"."""
+        if self.prompt_template is None:
+            return None
+        return read_template_text(self.prompt_template, "--prompt-template")
+
+    def messages_template_list(self) -> list[dict[str, str]] | None:
+        """--messages-template's {role, content} messages (content a template)."""
+        if self.messages_template is None:
+            return None
+        return parse_messages(self.messages_template)
+
+    def sampling_column_names(self) -> tuple[list[str], bool] | None:
+        """--sampling-columns: the names, and whether they must all be columns (False for
+        the bare flag: every known name the input has)."""
+        value = self.sampling_columns
+        if value is None:
+            return None
+        if value == ALL_SAMPLING_COLUMNS:
+            return list(SAMPLING_COLUMNS), False
+        names = [n.strip() for n in value.split(",") if n.strip()]
+        unknown = [n for n in names if n not in SAMPLING_COLUMNS]
+        if unknown or not names:
+            raise JobError(f"--sampling-columns: {unknown[0] if unknown else value!r} is not "
+                           f"a sampling column; the names are {', '.join(SAMPLING_COLUMNS)}")
+        return names, True
+
     def json_schema_value(self) -> Any:
         """--json-schema parsed: JSON text, or the JSON file after an "@"."""
         text = self.json_schema
@@ -347,6 +385,14 @@ class JobOptions:
             "chat_template_kwargs": self.template_kwargs(),
             "reasoning_parser": self.reasoning_parser,
             "id_column": self.id_column,
+            # how a row becomes a request (texts by digest, as above)
+            "rows": {
+                "prompt_template": digest_of_text(self.prompt_template_text()),
+                "messages_template": None if self.messages_template is None
+                else digest_of_text(json.dumps(self.messages_template_list())),
+                "sampling_columns": self.sampling_columns,
+                "keep_prompt": self.keep_prompt,
+            },
             "save_token_ids": self.save_token_ids,
             "sampling": params,
             **({"shard": [self.shard_index, self.num_shards]} if self.num_shards > 1 else {}),

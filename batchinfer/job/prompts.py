@@ -3,7 +3,8 @@
 Three shapes of input are understood: a text prompt column, a chat messages column
 (rendered with the tokenizer's chat template), and OpenAI Batch API lines (`custom_id`,
 `method`, `url`, `body`), whose body carries the messages or prompt and the row's own
-sampling settings. A row that cannot become a request becomes a WorkItem with an error.
+sampling settings. Or the prompt is rendered from the row's columns by a template
+(templates.py). A row that cannot become a request becomes a WorkItem with an error.
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import pyarrow as pa
 from batchinfer.job.errors import JobError
 from batchinfer.job.options import JobOptions
 from batchinfer.job.reader import InputRow
+from batchinfer.job.row_sampling import RowSampling
+from batchinfer.job.templates import RowTemplates
 from batchinfer.sampling_params import SamplingParams
 
 CHAT_URL = "/v1/chat/completions"
@@ -43,12 +46,14 @@ Encode = Callable[[list[str], bool], list[list[int]]]  # (texts, add_special_tok
 
 @dataclass(frozen=True)
 class PromptSpec:
-    mode: str                 # "prompt" | "messages" | "openai"
-    column: str               # the prompt or messages column; "body" for OpenAI Batch
-    id_column: str | None
+    mode: str                 # "prompt" | "messages" | "openai" | "template"
+    column: str | None        # the prompt or messages column; "body" for OpenAI Batch;
+    id_column: str | None     # None for a template (its columns are its own)
 
     def restrict(self) -> dict[str, str]:
         """The one kind of value each prompt-bearing column may hold (see schema.py)."""
+        if self.mode == "template":
+            return {}
         kind = {"prompt": "str", "messages": "list", "openai": "dict"}[self.mode]
         return {self.column: kind}
 
@@ -64,7 +69,9 @@ def detect(columns: list[str], options: JobOptions) -> PromptSpec:
                            f"(columns: {', '.join(columns)})")
         return column
 
-    if options.prompt_column:
+    if options.prompt_template or options.messages_template:
+        mode, column = "template", None
+    elif options.prompt_column:
         mode, column = "prompt", need(options.prompt_column, "--prompt-column")
     elif options.messages_column:
         mode, column = "messages", need(options.messages_column, "--messages-column")
@@ -86,8 +93,41 @@ def detect(columns: list[str], options: JobOptions) -> PromptSpec:
     return PromptSpec(mode, column, id_column)
 
 
+def row_settings(options: JobOptions, columns: list[str], system_prompt: str | None,
+                 json_columns: set[str] = frozenset()
+                 ) -> tuple[RowTemplates | None, RowSampling | None]:
+    """The job's templates and sampling columns, checked against the input's columns
+    (JobError naming a missing one)."""
+    templates = None
+    if options.prompt_template or options.messages_template or (
+            system_prompt is not None and _is_template(system_prompt)):
+        templates = RowTemplates(options.prompt_template_text(),
+                                 options.messages_template_list(), system_prompt, columns)
+    names = options.sampling_column_names()
+    if names is None:
+        return templates, None
+    names, required = names
+    missing = [n for n in names if n not in columns]
+    if required and missing:
+        raise JobError(f"--sampling-columns: no column {missing[0]!r} in INPUT (columns: "
+                       f"{', '.join(columns)})")
+    names = [n for n in names if n in columns]
+    if not names:
+        raise JobError(f"--sampling-columns: INPUT has none of the columns "
+                       f"{', '.join(options.sampling_column_names()[0])} (columns: "
+                       f"{', '.join(columns)})")
+    return templates, RowSampling(names, options.max_n, json_columns)
+
+
+def _is_template(text: str) -> bool:
+    """A system prompt with Jinja markup is rendered per row; plain text is used as is."""
+    return any(mark in text for mark in ("{{", "{%", "{#"))
+
+
 def check_types(spec: PromptSpec, schema: pa.Schema) -> None:
     """Refuse a prompt column whose stored type can never hold a valid prompt."""
+    if spec.mode == "template":
+        return
     type_ = schema.field(spec.column).type
     ok = {
         "prompt": type_ in _TEXT_TYPES,
@@ -127,6 +167,7 @@ class WorkItem:
     prompt: array | None = None
     params: SamplingParams | None = None
     error: str | None = None
+    text: str | None = None  # the prompt's text, kept with --keep-prompt
 
     @property
     def sort_key(self) -> array:
@@ -144,12 +185,19 @@ class _Text:
 class PromptBuilder:
     """Turns input rows into WorkItems. `render_chat` renders a conversation to text with
     the engine's chat template; `encode` tokenizes a list of texts at once (the engine's
-    encode_prompts)."""
+    encode_prompts). `templates` render a row's prompt, messages or system prompt from its
+    columns; `sampling` applies its sampling columns; `keep_prompt` keeps each prompt's
+    text on its WorkItem."""
 
     def __init__(self, spec: PromptSpec, params: SamplingParams, system_prompt: str | None,
                  render_chat: RenderChat, encode: Encode,
-                 chat_template_kwargs: dict | None = None, max_n: int = 128):
+                 chat_template_kwargs: dict | None = None, max_n: int = 128, *,
+                 templates: RowTemplates | None = None, sampling: RowSampling | None = None,
+                 keep_prompt: bool = False):
         self.spec = spec
+        self.templates = templates
+        self.sampling = sampling
+        self.keep_prompt = keep_prompt
         self.max_n = max_n  # completions one row (an OpenAI Batch line's n) may ask for
         self.params = params
         self.system_prompt = system_prompt
@@ -171,6 +219,9 @@ class PromptBuilder:
             if not pending:
                 continue
             texts = [item.prompt.text for item in pending]
+            if self.keep_prompt:
+                for item, text in zip(pending, texts):
+                    item.text = text
             try:
                 encoded = self.encode(texts, add_special)
             except ValueError:  # find the row(s) at fault; the others still encode
@@ -200,21 +251,34 @@ class PromptBuilder:
         if item.row_id is None:
             item.error = f"the id column {spec.id_column!r} is empty"
             return item
-        value = row.values.get(spec.column)
+        value = row.values.get(spec.column) if spec.column is not None else None
         try:
+            system = self.system_prompt
+            if self.templates is not None and self.templates.system is not None:
+                system = self.templates.render_system(row.values)
             if spec.mode == "prompt":
-                prompt, item.params = self._from_text(value), self.params
+                prompt, item.params = self._from_text(value, system=system), self.params
             elif spec.mode == "messages":
-                prompt, item.params = self._from_messages(value), self.params
+                prompt, item.params = self._from_messages(value, system=system), self.params
+            elif spec.mode == "template":
+                prompt, item.params = self._from_template(row.values, system), self.params
             else:
-                prompt, item.params = self._from_openai(value, row.values.get("url"))
+                prompt, item.params = self._from_openai(value, row.values.get("url"), system)
+            if self.sampling is not None:
+                item.params = self.sampling.apply(row.values, item.params)
         except ValueError as e:
             item.error = str(e)
             return item
         item.prompt = prompt if isinstance(prompt, _Text) else array("i", prompt)
         return item
 
-    def _from_text(self, value: Any, what: str = "prompt") -> _Text:
+    def _from_template(self, values: dict[str, Any], system: str | None) -> _Text:
+        if self.templates.prompt is not None:
+            return self._from_text(self.templates.render_prompt(values),
+                                   "the prompt --prompt-template rendered", system)
+        return self._render(self.templates.render_messages(values), system=system)
+
+    def _from_text(self, value: Any, what: str = "prompt", system: str | None = None) -> _Text:
         if value is None:
             raise ValueError(f"{what} is missing (column {self.spec.column!r} is null)"
                              if what == "prompt" else f"{what} is missing")
@@ -222,11 +286,12 @@ class PromptBuilder:
             raise ValueError(f"{what} must be text, got {_type_name(value)}")
         if not value.strip():
             raise ValueError(f"{what} is empty")
-        if self.system_prompt is None:
+        if system is None:
             return _Text(value, True)
-        return self._render([{"role": "user", "content": value}])
+        return self._render([{"role": "user", "content": value}], system=system)
 
-    def _from_messages(self, value: Any, template_kwargs: dict | None = None) -> _Text:
+    def _from_messages(self, value: Any, template_kwargs: dict | None = None,
+                       system: str | None = None) -> _Text:
         if isinstance(value, str):
             try:
                 value = json.loads(value)
@@ -241,18 +306,20 @@ class PromptBuilder:
         if not all(isinstance(m, dict) for m in value):
             raise ValueError("each message must be an object with 'role' and 'content'")
         messages = [{k: v for k, v in m.items() if v is not None} for m in value]
-        return self._render(messages, template_kwargs)
+        return self._render(messages, template_kwargs, system)
 
-    def _render(self, messages: list[dict], template_kwargs: dict | None = None) -> _Text:
-        if self.system_prompt is not None and messages[0].get("role") != "system":
-            messages = [{"role": "system", "content": self.system_prompt}, *messages]
+    def _render(self, messages: list[dict], template_kwargs: dict | None = None,
+                system: str | None = None) -> _Text:
+        if system is not None and messages[0].get("role") != "system":
+            messages = [{"role": "system", "content": system}, *messages]
         kwargs = {**self.chat_template_kwargs, **(template_kwargs or {})}
         try:
             return _Text(self.render_chat(messages, chat_template_kwargs=kwargs), False)
         except ValueError as e:
             raise ValueError(f"invalid messages: {e}") from None
 
-    def _from_openai(self, body: Any, url: Any) -> tuple[_Text | list[int], SamplingParams]:
+    def _from_openai(self, body: Any, url: Any,
+                     system: str | None) -> tuple[_Text | list[int], SamplingParams]:
         if isinstance(body, str):
             try:
                 body = json.loads(body)
@@ -268,7 +335,7 @@ class PromptBuilder:
             if row_kwargs is not None and not isinstance(row_kwargs, dict):
                 raise ValueError("body.chat_template_kwargs must be an object, got "
                                  f"{_type_name(row_kwargs)}")
-            return self._from_messages(body["messages"], row_kwargs), params
+            return self._from_messages(body["messages"], row_kwargs, system), params
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             if any(isinstance(t, bool) or not 0 <= t < 2 ** 31 for t in prompt):
@@ -277,11 +344,8 @@ class PromptBuilder:
         if isinstance(prompt, list):
             raise ValueError("body.prompt must be one text (or one list of token ids); put "
                              "each prompt on its own line")
-        saved, self.system_prompt = self.system_prompt, None  # completions are not chat
-        try:
-            return self._from_text(prompt, "body.prompt or body.messages"), params
-        finally:
-            self.system_prompt = saved
+        # completions are not chat: no system prompt
+        return self._from_text(prompt, "body.prompt or body.messages"), params
 
     def _openai_params(self, body: dict) -> SamplingParams:
         changes = {OPENAI_SAMPLING[k]: v for k, v in body.items()

@@ -32,7 +32,9 @@ from batchinfer.job.options import JobOptions, flag
 from batchinfer.job.ordering import ReorderWindow
 from batchinfer.job.progress import Progress
 from batchinfer.job.prompts import (PromptBuilder, PromptSpec, WorkItem, check_kinds,
-                                    check_types, detect)
+                                    check_types, detect, row_settings)
+from batchinfer.job.row_sampling import RowSampling
+from batchinfer.job.templates import RowTemplates
 from batchinfer.job.rangeset import RangeSet
 from batchinfer.job.reader import Source, open_input
 from batchinfer.job.schema import schema_from_json, schema_to_json, storable
@@ -114,9 +116,12 @@ class _Plan:
     json_columns: set[str]
     manifest: Manifest
     fresh: bool
+    templates: RowTemplates | None = None
+    sampling: RowSampling | None = None
 
 
-def _plan(options: JobOptions, source: Source, outdir: OutputDir) -> _Plan:
+def plan_job(options: JobOptions, source: Source, outdir: OutputDir) -> _Plan:
+    """What the job is (JobError for what the user must fix); reads OUTDIR, writes nothing."""
     job = {"input": source.identity(), **options.identity()}
     manifest = outdir.check(job, options.overwrite)
     if manifest is not None:
@@ -134,7 +139,7 @@ def _plan(options: JobOptions, source: Source, outdir: OutputDir) -> _Plan:
                            "save_to_disk folder or hf:NAME")
         inspection = source.inspect()
         spec = detect(inspection.columns, options)
-        if inspection.types is not None:
+        if inspection.types is not None and spec.column is not None:
             check_kinds(spec, set(inspection.types.kinds[spec.column]))
         input_schema, json_columns = inspection.schema(spec.restrict())
         check_types(spec, input_schema)
@@ -143,14 +148,31 @@ def _plan(options: JobOptions, source: Source, outdir: OutputDir) -> _Plan:
         schema = output_schema(input_schema, spec, options.save_token_ids,
                                options.logprobs is not None or spec.mode == "openai",
                                options.prompt_logprobs is not None or spec.mode == "openai",
-                               options.reasoning_parser is not None)
+                               options.reasoning_parser is not None, options.keep_prompt)
         manifest = Manifest(fingerprint(job), job, spec.as_dict(), schema_to_json(input_schema),
                             sorted(json_columns), schema_to_json(schema), inspection.num_rows)
         plan = _Plan(spec, input_schema, json_columns, manifest, fresh=True)
+    plan.templates, plan.sampling = row_settings(options, plan.input_schema.names,
+                                                 options.system_prompt_text(),
+                                                 plan.json_columns)
     if options.output_format == "openai" and plan.spec.mode != "openai":
         raise JobError("--output-format openai needs OpenAI Batch input (lines with "
                        "custom_id and body)")
     return plan
+
+
+def open_job(options: JobOptions, engine_factory: EngineFactory | None
+             ) -> tuple[Source, EngineFactory]:
+    """The input and the engine factory, after the checks that need neither the model
+    loaded nor OUTDIR locked."""
+    if engine_factory is None:
+        check_model(options.model, options.tokenizer)
+        engine_factory = load_engine
+    source = open_input(options.input, options.split, output=options.output,
+                        max_row_bytes=options.max_row_bytes)
+    check_layout(options.output, options.shard(),
+                 {"input": source.identity(), **options.identity()})
+    return source, engine_factory
 
 
 def run_job(options: JobOptions, engine_factory: EngineFactory | None = None,
@@ -164,13 +186,7 @@ def run_job(options: JobOptions, engine_factory: EngineFactory | None = None,
 
 def _run_job(options: JobOptions, engine_factory: EngineFactory | None, out: TextIO,
              err: TextIO) -> JobResult:
-    if engine_factory is None:
-        check_model(options.model, options.tokenizer)
-        engine_factory = load_engine
-    source = open_input(options.input, options.split, output=options.output,
-                        max_row_bytes=options.max_row_bytes)
-    check_layout(options.output, options.shard(),
-                 {"input": source.identity(), **options.identity()})
+    source, engine_factory = open_job(options, engine_factory)
     outdir = OutputDir(options.output_dir())
     with StopSignals() as stop:
         outdir.lock()  # before looking at OUTDIR: what the look finds stays true
@@ -182,7 +198,7 @@ def _run_job(options: JobOptions, engine_factory: EngineFactory | None, out: Tex
 
 def _run_locked(options: JobOptions, source: Source, outdir: OutputDir, stop: StopSignals,
                 engine_factory: EngineFactory, out: TextIO, err: TextIO) -> JobResult:
-    plan = _plan(options, source, outdir)
+    plan = plan_job(options, source, outdir)
     manifest = plan.manifest
     known = manifest.num_input_rows
     total = known if options.limit is None else (
@@ -217,9 +233,7 @@ def _run_engine(options: JobOptions, source: Source, plan: _Plan, writer: PartWr
                 engine_factory: EngineFactory, err: TextIO) -> bool:
     """Start the metrics and the engine, run the loop. Returns True when every row was
     processed, False when stopped by a signal."""
-    # (these import torch)
-    from batchinfer.engine.nodes import NodesInterrupted
-    from batchinfer.engine.tensor_parallel import WorkerError
+    from batchinfer.engine.tensor_parallel import WorkerError  # (imports torch)
     metrics = JobMetrics(options.metrics_textfile, options.metrics_interval)
     if total is not None:
         metrics.set_total(total)
@@ -240,18 +254,9 @@ def _run_engine(options: JobOptions, source: Source, plan: _Plan, writer: PartWr
             print(f"batchinfer: sampling defaults from {_generation_config_file(options)}: "
                   f"{describe(from_model)} (flags override them; --generation-config vllm "
                   "ignores the file)", file=err)
+        engine = start_engine(options, engine_factory)
         try:
-            engine = engine_factory(options.model, options.engine_kwargs())
-        except FileNotFoundError as e:
-            raise JobError(f"--model {options.model}: {e}") from None
-        except ValueError as e:
-            raise JobError(f"cannot start the engine: {engine_flags_in(str(e))}") from None
-        except (ConnectionError, TimeoutError, WorkerError) as e:  # a node or rank is gone
-            raise EngineFailed(f"cannot start the engine: {e}") from None
-        except NodesInterrupted as e:
-            raise Stopped(str(e), e.signum) from None
-        try:
-            parser = _check_with_engine(options, engine)
+            parser = check_with_engine(options, engine)
             progress = Progress(total, len(done), options.progress, err,
                                 options.progress_interval)
             loop = _Loop(options, source, plan, writer, done, engine, metrics, progress, parser)
@@ -269,7 +274,7 @@ def _run_engine(options: JobOptions, source: Source, plan: _Plan, writer: PartWr
         metrics.close()
 
 
-def _check_with_engine(options: JobOptions, engine: Engine) -> ReasoningParser | None:
+def check_with_engine(options: JobOptions, engine: Engine) -> ReasoningParser | None:
     """What only the loaded engine can check (JobError): the bounds the model's vocabulary
     sets (--logprobs, --stop-token-ids), what its parallelism allows, and the reasoning
     parser's tags; the parser, when one is asked for."""
@@ -285,6 +290,31 @@ def _check_with_engine(options: JobOptions, engine: Engine) -> ReasoningParser |
         raise JobError(f"--reasoning-parser {options.reasoning_parser}: a constraint applies "
                        f"after {END_TAG}, which is not one token of the model's tokenizer")
     return parser
+
+
+def make_builder(options: JobOptions, plan: _Plan, engine: Engine) -> PromptBuilder:
+    return PromptBuilder(
+        plan.spec, options.sampling_params(), options.system_prompt_text(),
+        functools.partial(engine.render_chat_text, chat_template=options.chat_template_text()),
+        engine.encode_prompts, options.template_kwargs(), options.max_n,
+        templates=plan.templates, sampling=plan.sampling, keep_prompt=options.keep_prompt)
+
+
+def start_engine(options: JobOptions, engine_factory: EngineFactory) -> Engine:
+    """The engine, or JobError naming what stopped it from starting."""
+    # (these import torch)
+    from batchinfer.engine.nodes import NodesInterrupted
+    from batchinfer.engine.tensor_parallel import WorkerError
+    try:
+        return engine_factory(options.model, options.engine_kwargs())
+    except FileNotFoundError as e:
+        raise JobError(f"--model {options.model}: {e}") from None
+    except ValueError as e:
+        raise JobError(f"cannot start the engine: {engine_flags_in(str(e))}") from None
+    except (ConnectionError, TimeoutError, WorkerError) as e:  # a node or rank is gone
+        raise EngineFailed(f"cannot start the engine: {e}") from None
+    except NodesInterrupted as e:
+        raise Stopped(str(e), e.signum) from None
 
 
 class _Loop:
@@ -303,11 +333,7 @@ class _Loop:
         self.metrics = metrics
         self.progress = progress
         params = options.sampling_params()
-        self.builder = PromptBuilder(
-            plan.spec, params, options.system_prompt_text(),
-            functools.partial(engine.render_chat_text,
-                              chat_template=options.chat_template_text()),
-            engine.encode_prompts, options.template_kwargs(), options.max_n)
+        self.builder = make_builder(options, plan, engine)
         self.window: ReorderWindow[WorkItem] = ReorderWindow(options.reorder_window)
         self.target = max(1, 2 * engine.config.max_num_seqs // params.n)
         self.batches = source.batches(plan.input_schema, plan.json_columns, done, options.limit,

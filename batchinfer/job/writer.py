@@ -39,16 +39,18 @@ LOGPROB_FIELDS = [pa.field("cumulative_logprob", pa.float64()),
 PROMPT_LOGPROB_FIELDS = [pa.field("prompt_logprob_sum", pa.float64()),
                          pa.field("prompt_logprobs", pa.list_(pa.list_(LOGPROB_ENTRY)))]
 REASONING_FIELD = pa.field("reasoning", pa.string())  # with --reasoning-parser
+PROMPT_FIELD = pa.field("prompt", pa.string())  # with --keep-prompt: the text tokenized
 FLAT_COLUMNS = ("logprobs", "prompt_logprobs")  # rows may hold FlatLogprobs (to_table)
 
 
 def output_schema(input_schema: pa.Schema, spec: PromptSpec, save_token_ids: bool,
                   logprobs: bool, prompt_logprobs: bool = False,
-                  reasoning: bool = False) -> pa.Schema:
-    """Every input column unchanged, then `id`, the per-sample stats (with `reasoning`
-    after `completion` where asked) and optional lists."""
+                  reasoning: bool = False, keep_prompt: bool = False) -> pa.Schema:
+    """Every input column unchanged, then `id` (and `prompt` where asked), the per-sample
+    stats (with `reasoning` after `completion` where asked) and optional lists."""
     stats = STAT_FIELDS[:2] + [REASONING_FIELD] + STAT_FIELDS[2:] if reasoning else STAT_FIELDS
-    added = [pa.field("id", _id_type(input_schema, spec)), *stats]
+    added = [pa.field("id", _id_type(input_schema, spec)),
+             *([PROMPT_FIELD] if keep_prompt else []), *stats]
     if save_token_ids:
         added += TOKEN_ID_FIELDS
     if logprobs:
@@ -79,9 +81,15 @@ def _id_type(input_schema: pa.Schema, spec: PromptSpec) -> pa.DataType:
 
 def error_rows(item: WorkItem) -> list[dict[str, Any]]:
     """The one row of an input row that never reached the engine."""
-    return [{**item.row.values, "id": item.row_id, "sample_index": 0, "completion": None,
+    return [{**item.row.values, "id": item.row_id, **_kept_prompt(item),
+             "sample_index": 0, "completion": None,
              "output_tokens": 0, "finish_reason": "error", "preemptions": 0,
              "error": item.error}]
+
+
+def _kept_prompt(item: WorkItem) -> dict[str, str]:
+    """The `prompt` column's value (with --keep-prompt, the only case a text is kept)."""
+    return {} if item.text is None else {"prompt": item.text}
 
 
 def sample_rows(item: WorkItem, out: RequestOutput, save_token_ids: bool,
@@ -90,13 +98,14 @@ def sample_rows(item: WorkItem, out: RequestOutput, save_token_ids: bool,
     """One row per completion of a finished request (one row if the request failed)."""
     prompt_tokens = len(out.prompt_token_ids) or None
     if out.error is not None:
-        row = error_rows(WorkItem(item.row, item.row_id, error=out.error))[0]
+        row = error_rows(WorkItem(item.row, item.row_id, error=out.error, text=item.text))[0]
         row["prompt_tokens"] = prompt_tokens
         return [row]
     rows = []
     for c in out.outputs:
         m = c.metrics or out.metrics
-        row = {**item.row.values, "id": item.row_id, "sample_index": c.index,
+        row = {**item.row.values, "id": item.row_id, **_kept_prompt(item),
+               "sample_index": c.index,
                "completion": c.text, "prompt_tokens": prompt_tokens,
                "cached_tokens": out.num_cached_tokens, "output_tokens": len(c.token_ids),
                "finish_reason": c.finish_reason, "preemptions": m.num_preemptions if m else 0,
