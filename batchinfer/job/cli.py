@@ -106,6 +106,11 @@ def _options(f):
         O("--metrics-host", help="Address of the metrics endpoint (default 127.0.0.1)."),
         O("--metrics-textfile", help="Write metrics to this node_exporter textfile."),
         O("--metrics-interval", type=float, help="Seconds between textfile writes (15)."),
+        O("--dry-run/--no-dry-run", default=None,
+          help="Read the input, render and tokenize the prompts and print the job's size "
+               "and an estimate of its time; write nothing."),
+        O("--dry-run-rows", type=click.IntRange(min=1),
+          help="With --dry-run: read only the first N rows (default: all)."),
     ]
     for decorator in reversed(decorators):
         f = decorator(f)
@@ -178,6 +183,9 @@ def run(ctx: click.Context, input: str | None, config: str | None, **flags: Any)
             if value is not None and value != ():
                 values[name] = list(value) if isinstance(value, tuple) else value
         options = JobOptions.from_dict(values)
+        if options.dry_run:
+            from batchinfer.job.dry_run import dry_run
+            ctx.exit(dry_run(options).exit_code)
         if serves(options):
             ctx.exit(serve_node(options))
         if options.data_parallel_size > 1:

@@ -114,6 +114,8 @@ class JobOptions:
     metrics_textfile: str | None = None
     metrics_interval: float = 15.0
     max_n: int = 128
+    dry_run: bool = False
+    dry_run_rows: int | None = None
 
     @classmethod
     def names(cls) -> list[str]:
@@ -167,6 +169,8 @@ class JobOptions:
         for name, ok, why in checks:
             if not ok:
                 raise JobError(f"{flag(name)} {why}, got {getattr(self, name)!r}")
+        if self.dry_run_rows is not None and not self.dry_run:
+            raise JobError("--dry-run-rows needs --dry-run")
         if self.num_shards > 1 and self.shard_index is None:
             raise JobError(f"--num-shards {self.num_shards} needs --shard-index (which shard "
                            "this run takes)")
