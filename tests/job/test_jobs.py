@@ -22,6 +22,7 @@ def line_count(path: Path) -> int:
     ("reviews", 24, 1),
     ("chat", line_count(JOBS / "data" / "chat.jsonl"), 2),
     ("openai_batch", line_count(JOBS / "data" / "openai_batch.jsonl"), 1),
+    ("templates", 24, 1),
 ])
 def test_job_file_runs_as_written(tmp_path, demo_dir, name, rows, samples_per_row):
     # Only the output folder (kept out of the repository) and the length are overridden.
@@ -38,6 +39,10 @@ def test_job_file_runs_as_written(tmp_path, demo_dir, name, rows, samples_per_ro
     if name == "reviews":
         assert sorted(table.column("id").to_pylist())[0] == "R1000"
         assert summary["prefix_cache_hit_rate"] > 0.3  # the shared system prompt
+    if name == "templates":  # the last turn rendered from the row's columns
+        first = table.filter(ds.field("id") == "R1000").to_pylist()[0]
+        assert "Review (5 stars): The kettle boils fast" in first["prompt"]
+        assert "You label kitchen product reviews" in first["prompt"]
     if name == "openai_batch":
         output = out / "__batchinfer__" / "openai_output.jsonl"
         assert line_count(output) == rows

@@ -66,8 +66,9 @@ def test_a_bad_value_fails_only_its_row_naming_the_column(tmp_path, run_cli):
         assert f"'{column}'" in out[i]["error"], (i, out[i]["error"])
 
 
-def test_a_named_column_the_input_lacks_exits_2(tmp_path, run_cli):
+def test_a_named_column_the_input_lacks_exits_2(tmp_path, run_cli, monkeypatch):
     data = write_rows(tmp_path / "in.jsonl", [{"prompt": PROMPT, "seed": 1}])
+    monkeypatch.setattr("batchinfer.job.runner.load_engine", model_must_not_load)
     result = run_cli(data, "-o", tmp_path / "out", "--sampling-columns", "max_tokens,seed")
     assert result.exit_code == 2
     assert ("--sampling-columns: no column 'max_tokens' in INPUT (columns: prompt, seed)"
@@ -75,6 +76,10 @@ def test_a_named_column_the_input_lacks_exits_2(tmp_path, run_cli):
     assert not (tmp_path / "out").exists()
     result = run_cli(data, "-o", tmp_path / "out", "--sampling-columns", "max_tokens,color")
     assert result.exit_code == 2 and "'color' is not a sampling column" in result.output
+
+
+def model_must_not_load(*args):
+    raise AssertionError("the model was loaded")
 
 
 def test_only_the_named_columns_apply(tmp_path, run_cli):
