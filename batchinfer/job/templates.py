@@ -24,7 +24,8 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
-from jinja2 import meta
+from jinja2 import meta, nodes
+from jinja2.compiler import CodeGenerator, Frame
 from jinja2.utils import _PassArg
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -44,11 +45,24 @@ class _Deadline(Exception):
     pass
 
 
+class _CodeGenerator(CodeGenerator):
+    """Compiles `a ~ b` to the environment's checked_join, which bounds what it builds."""
+
+    def visit_Concat(self, node: nodes.Concat, frame: Frame) -> None:
+        self.write("environment.checked_join((")
+        for arg in node.nodes:
+            self.visit(arg, frame)
+            self.write(", ")
+        self.write("))")
+
+
 class _Environment(ImmutableSandboxedEnvironment):
-    """The sandbox, with the work of one render bounded: `*`, `**` and `%` checked before
-    they build a value, the width arguments of filters checked, and a deadline checked at
-    every call, filter, attribute and item (and by a timer signal on the main thread)."""
-    intercepted_binops = frozenset({"*", "**", "%"})
+    """The sandbox, with the work of one render bounded: `*`, `**`, `%`, `+` and `~`
+    checked before they build a value, the width arguments of filters checked, and a
+    deadline checked at every call, filter, attribute and item (and by a timer signal on
+    the main thread)."""
+    intercepted_binops = frozenset({"*", "**", "%", "+"})
+    code_generator_class = _CodeGenerator
 
     def __init__(self) -> None:
         super().__init__(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined,
@@ -68,6 +82,11 @@ class _Environment(ImmutableSandboxedEnvironment):
                         and len(seq) * count > MAX_RENDER_CHARS):
                     raise RenderError(f"a repetition of {len(seq) * count} items is over the "
                                       f"limit of {MAX_RENDER_CHARS}")
+        if (operator == "+" and isinstance(left, (str, list, tuple))
+                and isinstance(right, (str, list, tuple))
+                and len(left) + len(right) > MAX_RENDER_CHARS):
+            raise RenderError(f"a concatenation of {len(left) + len(right)} items is over "
+                              f"the limit of {MAX_RENDER_CHARS}")
         if operator == "**" and isinstance(right, (int, float)) and abs(right) > 1000:
             raise RenderError(f"the power {right} is over the limit of 1000")
         if operator == "%" and isinstance(left, str) and _HUGE_WIDTH.search(left):
@@ -80,6 +99,16 @@ class _Environment(ImmutableSandboxedEnvironment):
         if isinstance(owner, str):  # a string's method: the same checks as the filters
             _check_sizes(__obj.__name__, (owner, *args), kwargs)
         return super().call(__context, __obj, *args, **kwargs)
+
+    def checked_join(self, items: tuple) -> str:
+        """`a ~ b ~ ...`: the texts joined, refused over the limit."""
+        self.check_time()
+        texts = [str(item) for item in items]
+        size = sum(map(len, texts))
+        if size > MAX_RENDER_CHARS:
+            raise RenderError(f"a concatenation of {size} characters is over the limit of "
+                              f"{MAX_RENDER_CHARS}")
+        return "".join(texts)
 
     def _guarded(self, name: str, func: Any) -> Any:
         """The filter, refusing a width or count that would build a huge string (the

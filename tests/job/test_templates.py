@@ -169,6 +169,12 @@ def test_a_changed_template_is_another_job(tmp_path, run_cli):
     ("{{ 'x' | center(10000000000) }}", "over the limit"),
     ("{% set s = 'x' * 4000000 %}{{ s.replace('x', s) }}", "over the limit"),
     ("{{ 9 ** 99999999 }}", "over the limit"),
+    ("{% set s = 'x' * 4000000 %}{% for i in range(40) %}{% set s = s ~ s %}{% endfor %}",
+     "over the limit"),
+    ("{% set ns = namespace(s='x' * 4000000) %}{% for i in range(40) %}"
+     "{% set ns.s = ns.s + ns.s %}{% endfor %}", "over the limit"),
+    ("{% set l = [1] * 4000000 %}{% for i in range(40) %}{% set l = l + l %}{% endfor %}",
+     "over the limit"),
     ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "RecursionError"),
     ("{{ title.__class__.__mro__ }}", "SecurityError"),
 ])
