@@ -197,3 +197,22 @@ def test_a_runaway_row_fails_alone(tmp_path, run_cli):
     out = read_rows(tmp_path / "out")
     assert out[0]["error"] is None and out[2]["error"] is None
     assert "over the limit" in out[1]["error"]
+
+
+def test_messages_template_files_in_their_forms(tmp_path):
+    from batchinfer.job.errors import JobError
+    from batchinfer.job.templates import parse_messages
+    turns = [{"role": "system", "content": "S {{ a }}"}, {"role": "user", "content": "U"}]
+    listed = _file(tmp_path / "m.toml", '[[messages]]\nrole = "system"\ncontent = "S {{ a }}"\n'
+                   '[[messages]]\nrole = "user"\ncontent = "U"\n')
+    table = _file(tmp_path / "t.toml", '[messages]\nsystem = "S {{ a }}"\nuser = "U"\n')
+    as_json = _file(tmp_path / "m.json", json.dumps(turns))
+    for path in (listed, table, as_json):
+        assert parse_messages(f"@{path}") == turns
+    assert parse_messages(json.dumps(turns)) == turns
+    for text, why in (("[]", "non-empty list"), ('[{"role": "user"}]', "message 0 must be"),
+                      ("{not json", "cannot parse")):
+        with pytest.raises(JobError, match=why):
+            parse_messages(text)
+    with pytest.raises(JobError, match="cannot read"):
+        parse_messages(f"@{tmp_path / 'missing.json'}")
