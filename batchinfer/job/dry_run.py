@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
+from batchinfer.job.errors import JobError
 from batchinfer.job.manifest import OutputDir
 from batchinfer.job.options import JobOptions
 from batchinfer.job.ordering import ReorderWindow
@@ -113,6 +114,9 @@ def dry_run(options: JobOptions, engine_factory: EngineFactory | None = None,
     figures. Returns them as the result's summary."""
     out = out or sys.stdout
     options.validate()
+    if (options.nnodes or 1) > 1:
+        raise JobError(f"--dry-run runs one engine on this machine; leave out --nnodes "
+                       f"{options.nnodes}")
     source, engine_factory = open_job(options, engine_factory)
     outdir = OutputDir(options.output_dir())
     plan = plan_job(options, source, outdir)  # reads OUTDIR: a refused job exits 2 here

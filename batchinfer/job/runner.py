@@ -143,6 +143,9 @@ def plan_job(options: JobOptions, source: Source, outdir: OutputDir) -> _Plan:
             check_kinds(spec, set(inspection.types.kinds[spec.column]))
         input_schema, json_columns = inspection.schema(spec.restrict())
         check_types(spec, input_schema)
+        if options.keep_prompt and "prompt" in input_schema.names:
+            raise JobError("--keep-prompt adds a `prompt` column, and INPUT has one already "
+                           "(with a prompt column, it is the prompt); leave out --keep-prompt")
         # OpenAI Batch lines may each ask for logprobs and prompt logprobs: their columns
         # are always there
         schema = output_schema(input_schema, spec, options.save_token_ids,

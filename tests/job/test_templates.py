@@ -216,3 +216,9 @@ def test_messages_template_files_in_their_forms(tmp_path):
             parse_messages(text)
     with pytest.raises(JobError, match="cannot read"):
         parse_messages(f"@{tmp_path / 'missing.json'}")
+
+
+def test_keep_prompt_with_a_prompt_column_is_refused(tmp_path, run_cli):
+    data = write_rows(tmp_path / "in.jsonl", [{"prompt": "Hello there"}])
+    result = run_cli(data, "-o", tmp_path / "out", "--keep-prompt")
+    assert result.exit_code == 2 and "--keep-prompt adds a `prompt` column" in result.output
