@@ -190,7 +190,7 @@ def parse_messages(value: str) -> list[dict[str, str]]:
 class _Compiled:
     flag: str
     template: jinja2.Template
-    names: frozenset[str]  # the variables it reads: columns, all of them
+    names: frozenset[str]  # the columns it reads
 
 
 class RowTemplates:
@@ -216,11 +216,14 @@ class RowTemplates:
             template = self.env.from_string(ast)
         except jinja2.TemplateSyntaxError as e:
             raise JobError(f"{flag}: line {e.lineno}: {e.message}") from None
-        names = meta.find_undeclared_variables(ast) - set(self.env.globals)
+        names = meta.find_undeclared_variables(ast)  # less the globals (range, ...)
         missing = sorted(names - set(self.columns))
         if missing:
             raise JobError(f"{flag}: no column {missing[0]!r} in INPUT (columns: "
                            f"{', '.join(self.columns)})")
+        # a column named like a global is the column
+        names |= {node.name for node in ast.find_all(nodes.Name)
+                  if node.ctx == "load" and node.name in self.env.globals} & set(self.columns)
         return _Compiled(flag, template, frozenset(names))
 
     def render_prompt(self, values: dict[str, Any]) -> str:

@@ -92,6 +92,17 @@ def test_only_the_named_columns_apply(tmp_path, run_cli):
     assert len(table) == 1 and table[0]["output_tokens"] == 2  # n is an ordinary column
 
 
+def test_a_rows_n_gives_that_many_samples(tmp_path, run_cli):
+    rows = [{"prompt": PROMPT, "n": 3}, {"prompt": PROMPT, "n": None}]
+    data = write_rows(tmp_path / "in.jsonl", rows)
+    result = run_cli(data, "-o", tmp_path / "out", "--sampling-columns", "n", "--max-tokens",
+                     "2", "--temperature", "1.0")
+    assert result.exit_code == 0, result.output
+    table = ds.dataset(tmp_path / "out").to_table().to_pylist()
+    samples = sorted((r["id"], r["sample_index"]) for r in table)
+    assert samples == [(0, 0), (0, 1), (0, 2), (1, 0)]
+
+
 def test_openai_lines_keep_their_own_settings(tmp_path, run_cli):
     body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2,
             "ignore_eos": True}

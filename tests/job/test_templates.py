@@ -97,6 +97,15 @@ def model_must_not_load(*args):
     raise AssertionError("the model was loaded")
 
 
+def test_a_column_named_like_a_jinja_global_is_the_column():
+    templates = RowTemplates("{{ namespace }}, {{ range | upper }}", None, None,
+                             ["namespace", "range"])
+    assert templates.render_prompt({"namespace": "ns", "range": "wide"}) == "ns, WIDE"
+    # and without such a column, the global
+    templates = RowTemplates("{% for i in range(3) %}{{ i }}{% endfor %}", None, None, ["x"])
+    assert templates.render_prompt({"x": 1}) == "012"
+
+
 def test_template_syntax_errors_and_conflicting_flags_exit_2(tmp_path, run_cli):
     data = write_rows(tmp_path / "in.jsonl")
     result = run_cli(data, "-o", tmp_path / "out", "--prompt-template", "{% for x in tags %}")
