@@ -178,7 +178,7 @@ class JobOptions:
             raise JobError(f"--n {self.n} is over --max-n {self.max_n} completions per row; "
                            "raise --max-n to allow it")
         given = [flag(name) for name in ("prompt_column", "messages_column", "prompt_template",
-                                         "messages_template") if getattr(self, name)]
+                                         "messages_template") if getattr(self, name) is not None]
         if len(given) > 1:
             raise JobError(f"{' and '.join(given)} cannot be combined; give one of them")
         _check_can_hold(self.output, "--output")
@@ -298,7 +298,10 @@ class JobOptions:
         """--prompt-template as given, or the contents of the file after an "@"."""
         if self.prompt_template is None:
             return None
-        return read_template_text(self.prompt_template, "--prompt-template")
+        text = read_template_text(self.prompt_template, "--prompt-template")
+        if not text.strip():
+            raise JobError(f"--prompt-template {self.prompt_template!r}: the template is empty")
+        return text
 
     def messages_template_list(self) -> list[dict[str, str]] | None:
         """--messages-template's {role, content} messages (content a template)."""

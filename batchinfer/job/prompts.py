@@ -69,7 +69,7 @@ def detect(columns: list[str], options: JobOptions) -> PromptSpec:
                            f"(columns: {', '.join(columns)})")
         return column
 
-    if options.prompt_template or options.messages_template:
+    if options.prompt_template is not None or options.messages_template is not None:
         mode, column = "template", None
     elif options.prompt_column:
         mode, column = "prompt", need(options.prompt_column, "--prompt-column")
@@ -99,7 +99,7 @@ def row_settings(options: JobOptions, columns: list[str], system_prompt: str | N
     """The job's templates and sampling columns, checked against the input's columns
     (JobError naming a missing one)."""
     templates = None
-    if options.prompt_template or options.messages_template or (
+    if options.prompt_template is not None or options.messages_template is not None or (
             system_prompt is not None and _is_template(system_prompt)):
         templates = RowTemplates(options.prompt_template_text(),
                                  options.messages_template_list(), system_prompt, columns)

@@ -103,6 +103,18 @@ def test_a_rows_n_gives_that_many_samples(tmp_path, run_cli):
     assert samples == [(0, 0), (0, 1), (0, 2), (1, 0)]
 
 
+def test_sampling_columns_in_a_job_file(tmp_path, run_cli):
+    data = write_rows(tmp_path / "in.jsonl", [{"prompt": PROMPT, "max_tokens": 3, "seed": 1}])
+    for value, tokens in (("true", 3), ('["seed"]', 5)):
+        job = tmp_path / "job.toml"
+        job.write_text(f'input = "in.jsonl"\noutput = "out-{tokens}"\nmax-tokens = 5\n'
+                       f'ignore-eos = true\nsampling-columns = {value}\n')
+        result = run_cli("--config", job)
+        assert result.exit_code == 0, result.output
+        row = ds.dataset(tmp_path / f"out-{tokens}").to_table().to_pylist()[0]
+        assert row["output_tokens"] == tokens
+
+
 def test_openai_lines_keep_their_own_settings(tmp_path, run_cli):
     body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2,
             "ignore_eos": True}

@@ -110,6 +110,8 @@ def test_template_syntax_errors_and_conflicting_flags_exit_2(tmp_path, run_cli):
     data = write_rows(tmp_path / "in.jsonl")
     result = run_cli(data, "-o", tmp_path / "out", "--prompt-template", "{% for x in tags %}")
     assert result.exit_code == 2 and "--prompt-template: line 1" in result.output
+    result = run_cli(data, "-o", tmp_path / "out", "--prompt-template", " ")
+    assert result.exit_code == 2 and "the template is empty" in result.output
     result = run_cli(data, "-o", tmp_path / "out", "--prompt-template", "{{ title }}",
                      "--prompt-column", "title")
     assert result.exit_code == 2
