@@ -26,7 +26,6 @@ import jinja2
 import jinja2.ext
 from jinja2 import meta, nodes
 from jinja2.compiler import CodeGenerator, Frame
-from jinja2.utils import _PassArg
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from batchinfer.job.errors import JobError
@@ -113,7 +112,8 @@ class _Environment(ImmutableSandboxedEnvironment):
     def _guarded(self, name: str, func: Any) -> Any:
         """The filter, refusing a width or count that would build a huge string (the
         compiled template calls filters directly)."""
-        skip = 0 if _PassArg.from_obj(func) is None else 1  # its context comes first
+        # a filter passed its context or environment takes it first (jinja's pass_* marks)
+        skip = 0 if getattr(func, "jinja_pass_arg", None) is None else 1
 
         @functools.wraps(func)
         def guarded(*args: Any, **kwargs: Any) -> Any:
@@ -205,10 +205,6 @@ class RowTemplates:
             (m["role"], self._compile(m["content"], f"--messages-template message {i}"))
             for i, m in enumerate(messages)]
         self.system = self._compile(system, "--system-prompt") if system is not None else None
-
-    @property
-    def renders_prompt(self) -> bool:
-        return self.prompt is not None or self.messages is not None
 
     def _compile(self, text: str, flag: str) -> _Compiled:
         try:
