@@ -19,8 +19,9 @@ import pyarrow.parquet as pq
 from batchinfer.job.durable import fsync_dir
 from batchinfer.job.prompts import COMPLETIONS_URL
 
-_COLUMNS = ("id", "sample_index", "url", "body", "completion", "reasoning", "finish_reason",
-            "prompt_tokens", "output_tokens", "error", "logprobs", "prompt_logprobs")
+_COLUMNS = ("id", "sample_index", "url", "body", "completion", "reasoning", "tool_calls",
+            "finish_reason", "prompt_tokens", "output_tokens", "error", "logprobs",
+            "prompt_logprobs")
 
 
 def _rows(parts: list[tuple[Path, bool]]) -> Iterator[tuple[list[dict[str, Any]], bool]]:
@@ -135,12 +136,19 @@ def response_line(group: list[dict[str, Any]], model: str, created: int,
                 choice["message"]["reasoning_content"] = row["reasoning"]
             else:
                 choice["reasoning_content"] = row["reasoning"]
+        finish_reason = row["finish_reason"]
+        if is_chat and "tool_calls" in row:  # --tool-call-parser: as vLLM's server writes it
+            calls = row["tool_calls"] or []
+            choice["message"]["tool_calls"] = calls
+            if calls:
+                choice["message"]["content"] = row["completion"] or None
+                finish_reason = "tool_calls"
         steps = row.get("logprobs")
         logprobs = None
         if steps and sampled_first:
             k = _top_k(first.get("body"), is_chat, default_logprobs)
             logprobs = _logprobs_object(steps, k, is_chat)
-        choice.update(logprobs=logprobs, finish_reason=row["finish_reason"])
+        choice.update(logprobs=logprobs, finish_reason=finish_reason)
         if not is_chat:  # vLLM's field, null unless the line asked
             choice["prompt_logprobs"] = _prompt_logprobs_list(row.get("prompt_logprobs"))
         choices.append(choice)

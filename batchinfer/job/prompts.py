@@ -127,6 +127,7 @@ class WorkItem:
     prompt: array | None = None
     params: SamplingParams | None = None
     error: str | None = None
+    with_tools: bool = False  # the chat template was given tools: its output may call them
 
     @property
     def sort_key(self) -> array:
@@ -139,6 +140,7 @@ class _Text:
     """A prompt still to tokenize: encoded with the rest of its batch in one call."""
     text: str
     add_special_tokens: bool  # False for a rendered chat: the template wrote them
+    with_tools: bool = False
 
 
 class PromptBuilder:
@@ -148,8 +150,10 @@ class PromptBuilder:
 
     def __init__(self, spec: PromptSpec, params: SamplingParams, system_prompt: str | None,
                  render_chat: RenderChat, encode: Encode,
-                 chat_template_kwargs: dict | None = None, max_n: int = 128):
+                 chat_template_kwargs: dict | None = None, max_n: int = 128,
+                 tools: list[dict] | None = None):
         self.spec = spec
+        self.tools = tools  # --tools: for every chat the template renders
         self.max_n = max_n  # completions one row (an OpenAI Batch line's n) may ask for
         self.params = params
         self.system_prompt = system_prompt
@@ -211,7 +215,10 @@ class PromptBuilder:
         except ValueError as e:
             item.error = str(e)
             return item
-        item.prompt = prompt if isinstance(prompt, _Text) else array("i", prompt)
+        if isinstance(prompt, _Text):
+            item.prompt, item.with_tools = prompt, prompt.with_tools
+        else:
+            item.prompt = array("i", prompt)
         return item
 
     def _from_text(self, value: Any, what: str = "prompt") -> _Text:
@@ -226,7 +233,8 @@ class PromptBuilder:
             return _Text(value, True)
         return self._render([{"role": "user", "content": value}])
 
-    def _from_messages(self, value: Any, template_kwargs: dict | None = None) -> _Text:
+    def _from_messages(self, value: Any, template_kwargs: dict | None = None,
+                       tools: list[dict] | None = None) -> _Text:
         if isinstance(value, str):
             try:
                 value = json.loads(value)
@@ -241,14 +249,18 @@ class PromptBuilder:
         if not all(isinstance(m, dict) for m in value):
             raise ValueError("each message must be an object with 'role' and 'content'")
         messages = [{k: v for k, v in m.items() if v is not None} for m in value]
-        return self._render(messages, template_kwargs)
+        return self._render(messages, template_kwargs, tools)
 
-    def _render(self, messages: list[dict], template_kwargs: dict | None = None) -> _Text:
+    def _render(self, messages: list[dict], template_kwargs: dict | None = None,
+                tools: list[dict] | None = None) -> _Text:
         if self.system_prompt is not None and messages[0].get("role") != "system":
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
         kwargs = {**self.chat_template_kwargs, **(template_kwargs or {})}
+        tools = self.tools if tools is None else tools or None  # [] : none for this row
+        given = {} if tools is None else {"tools": tools}  # (a renderer may not take it)
         try:
-            return _Text(self.render_chat(messages, chat_template_kwargs=kwargs), False)
+            return _Text(self.render_chat(messages, chat_template_kwargs=kwargs, **given),
+                         False, tools is not None)
         except ValueError as e:
             raise ValueError(f"invalid messages: {e}") from None
 
@@ -268,7 +280,7 @@ class PromptBuilder:
             if row_kwargs is not None and not isinstance(row_kwargs, dict):
                 raise ValueError("body.chat_template_kwargs must be an object, got "
                                  f"{_type_name(row_kwargs)}")
-            return self._from_messages(body["messages"], row_kwargs), params
+            return self._from_messages(body["messages"], row_kwargs, _body_tools(body)), params
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             if any(isinstance(t, bool) or not 0 <= t < 2 ** 31 for t in prompt):
@@ -312,6 +324,26 @@ class PromptBuilder:
             raise ValueError(f"body.n = {params.n} is over the limit of {self.max_n} "
                              "completions per row (--max-n)")
         return params
+
+
+def _body_tools(body: dict) -> list[dict] | None:
+    """A chat line's tools as the template takes them: None for the flags' (--tools), [] for
+    none (tool_choice "none"). tool_choice "auto" (the default) lets the model choose; a
+    forced call ("required", a named function) is not supported."""
+    from batchinfer.tool_parsers import check_tools
+    choice = body.get("tool_choice")
+    if choice == "none":
+        return []
+    if choice not in (None, "auto"):
+        raise ValueError(f"body.tool_choice {json.dumps(choice)} is not supported; use "
+                         '"auto" or "none"')
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    try:
+        return check_tools(tools)
+    except ValueError as e:
+        raise ValueError(f"body.{e}") from None
 
 
 def _response_format_schema(response_format: Any) -> Any:
