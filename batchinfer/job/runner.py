@@ -416,10 +416,12 @@ class _Loop:
         self.metrics.observe_engine(self.engine.stats())
 
     def validate(self, item: WorkItem, row: dict[str, Any], number: int) -> None:
-        """Check a sample against its row's constraint: an invalid one is asked for again
-        (until --max-attempts), or keeps its output with the reason as its error."""
+        """With --max-attempts above 1, check a sample against its row's constraint: an
+        invalid one is asked for again (until --max-attempts), or keeps its output with the
+        reason as its error."""
         constraint = item.params.structured_outputs
-        if constraint is None or row["finish_reason"] == "error":
+        if self.options.max_attempts == 1 or constraint is None \
+                or row["finish_reason"] == "error":
             return
         reason = invalid_reason(row["completion"], row["finish_reason"], constraint)
         if reason is None:
