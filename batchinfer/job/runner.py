@@ -46,6 +46,7 @@ from batchinfer.reasoning import END_TAG, ReasoningParser
 from batchinfer.sampling_params import SamplingParams
 from batchinfer.tool_parsers import ToolParser
 
+
 class Engine(Protocol):
     """What the job needs of an engine: LLMEngine (batchinfer/engine/engine.py), or a
     stand-in in the job tests (tests/job/fake_engine.py; a test holds both to this)."""
@@ -55,7 +56,8 @@ class Engine(Protocol):
 
     def render_chat_text(self, messages: list[dict], add_generation_prompt: bool = True, *,
                          chat_template: str | None = None,
-                         chat_template_kwargs: dict | None = None) -> str: ...
+                         chat_template_kwargs: dict | None = None,
+                         tools: list[dict] | None = None) -> str: ...
 
     def encode_prompts(self, texts: list[str],
                        add_special_tokens: bool = True) -> list[list[int]]: ...

@@ -111,13 +111,21 @@ class FakeEngine:
 
     def render_chat_text(self, messages: list[dict], add_generation_prompt: bool = True, *,
                          chat_template: str | None = None,
-                         chat_template_kwargs: dict | None = None) -> str:
+                         chat_template_kwargs: dict | None = None,
+                         tools: list[dict] | None = None) -> str:
+        """The messages as <role>content, after <tools>[names] when tools are given; an
+        assistant's tool calls as <call>name."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
         for m in messages:
-            if not (isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            content_ok = isinstance(m.get("content"), str) or (
+                m.get("content") is None and m.get("tool_calls"))
+            if not (isinstance(m.get("role"), str) and content_ok):
                 raise ValueError("each message must be a dict with string 'role' and 'content'")
-        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        text = "" if tools is None else f"<tools>{[t['function']['name'] for t in tools]}"
+        text += "".join(f"<{m['role']}>{m.get('content') or ''}"
+                        + "".join(f"<call>{c['function']['name']}"
+                                  for c in m.get("tool_calls") or ()) for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
 
     def encode_prompts(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:

@@ -7,12 +7,17 @@ guided_regex) makes it write one in its model's format, through the real decodin
 from __future__ import annotations
 
 import copy
+import io
 import json
 import re
 from pathlib import Path
 
 import pyarrow.dataset as ds
 import pytest
+
+from batchinfer.job.options import JobOptions
+from batchinfer.job.runner import run_job
+from fake_engine import FakeEngine
 
 # Qwen3's chat template (Qwen/Qwen3-8B, tokenizer_config.json), verbatim.
 QWEN3_TEMPLATE = r"""{%- if tools %}
@@ -362,3 +367,48 @@ def test_a_parser_without_tools_is_refused_before_the_model_loads(tmp_path, run_
         result = run_cli(tmp_path / "in.jsonl", "-o", tmp_path / "out", "--tools", value)
         assert result.exit_code == 2 and why in result.output, result.output
         assert len(result.output.strip().splitlines()) == 1
+
+
+class RecordingEngine(FakeEngine):
+    """A FakeEngine that keeps each request's params."""
+
+    def __init__(self):
+        super().__init__()
+        self.params: dict[str, object] = {}
+
+    def add_request(self, request_id, prompt, params, *args, **kwargs):
+        self.params[request_id] = params
+        super().add_request(request_id, prompt, params, *args, **kwargs)
+
+
+@pytest.mark.parametrize("parser", ["mistral", "hermes"])
+def test_each_parser_on_the_job_path(tmp_path, parser):
+    """Calls in each parser's format, the rows' samples with their own ids, a row without
+    tools and a failed row; mistral rows keep special tokens (its [TOOL_CALLS] is one)."""
+    call = {"mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}]',
+            "hermes": 'Sure.<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+                      '</tool_call>'}[parser]
+    rows = [{"messages": [{"role": "user", "content": f"q|reply:{call}"}]},
+            {"messages": [{"role": "user", "content": "q|reply:no call here"}]},
+            {"messages": [{"role": "user", "content": f"q|reply:{call[:-16]}"}]},  # cut
+            {"messages": "not a conversation"}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    engine = RecordingEngine()
+    options = JobOptions(input=str(tmp_path / "in.jsonl"), model="stand-in",
+                         output=str(tmp_path / "out"), tools=json.dumps(TOOLS),
+                         tool_call_parser=parser, n=2, progress=False)
+    assert run_job(options, lambda m, k: engine, out=io.StringIO(),
+                   err=io.StringIO()).exit_code == 0
+    out = ds.dataset(tmp_path / "out", format="parquet").to_table().to_pylist()
+    by_row = {(r["id"], r["sample_index"]): r for r in out}
+    first = [by_row[(0, 0)], by_row[(0, 1)]]
+    assert [r["completion"] for r in first] == ["" if parser == "mistral" else "Sure."] * 2
+    calls = [r["tool_calls"][0] for r in first]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Oslo"}] * 2
+    assert calls[0]["id"] != calls[1]["id"]  # each sample's own
+    if parser == "mistral":
+        assert all(re.fullmatch("[A-Za-z0-9]{9}", c["id"]) for c in calls)
+    assert by_row[(1, 0)]["tool_calls"] == [] and by_row[(1, 0)]["completion"] == "no call here"
+    assert by_row[(2, 0)]["tool_calls"] == [] and by_row[(2, 0)]["completion"] == call[:-16]
+    assert by_row[(3, 0)]["finish_reason"] == "error" and by_row[(3, 0)]["tool_calls"] is None
+    assert {p.skip_special_tokens for p in engine.params.values()} == {parser != "mistral"}
