@@ -412,3 +412,15 @@ def test_each_parser_on_the_job_path(tmp_path, parser):
     assert by_row[(2, 0)]["tool_calls"] == [] and by_row[(2, 0)]["completion"] == call[:-16]
     assert by_row[(3, 0)]["finish_reason"] == "error" and by_row[(3, 0)]["tool_calls"] is None
     assert {p.skip_special_tokens for p in engine.params.values()} == {parser != "mistral"}
+
+
+def test_tools_in_a_job_file(tmp_path):
+    from batchinfer.job.config_file import load_job_file
+    (tmp_path / "job.toml").write_text(
+        'model = "demo"\n'
+        '[[tools]]\ntype = "function"\n'
+        'function = {name = "get_weather", description = "The current weather in a city.", '
+        'parameters = {type = "object", properties = {city = {type = "string"}}, '
+        'required = ["city"]}}\n')
+    values = load_job_file(tmp_path / "job.toml")
+    assert JobOptions(tools=values["tools"]).tools_value() == TOOLS
