@@ -379,7 +379,7 @@ class _Loop:
             item = self.window.pop()
             self.add(str(item.row.index), _Attempt(item, None, 1), item.params)
 
-    def add(self, request_id: str, attempt: "_Attempt", params: SamplingParams) -> None:
+    def add(self, request_id: str, attempt: _Attempt, params: SamplingParams) -> None:
         item = attempt.item
         if params.prompt_logprobs is not None and not self.prompt_logprobs:
             # an OpenAI line's ask, in a job whose output predates the columns
