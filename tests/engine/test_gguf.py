@@ -305,8 +305,10 @@ def test_a_tools_job_on_the_gguf_template(tmp_path, smollm2_dir):
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": i, "messages": c}) + "\n"
                                                for i, c in enumerate(chats)))
     (tmp_path / "tools.json").write_text(json.dumps(TOOLS))
-    regex = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,8}"\}\}</tool_call>'
-    result = _run_job(tmp_path, smollm2_dir / MODEL_FILE, "--tools", f"@{tmp_path / 'tools.json'}",
+    regex = (r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,8}"\}\}'
+             r'</tool_call>')
+    result = _run_job(tmp_path, smollm2_dir / MODEL_FILE,
+                      "--tools", f"@{tmp_path / 'tools.json'}",
                       "--tool-call-parser", "hermes", "--regex", regex, "--max-tokens", "96",
                       "--temperature", "0", "--save-token-ids", "--device", "cpu")
     assert result.exit_code == 0, result.output
