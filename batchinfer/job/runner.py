@@ -152,6 +152,11 @@ def _plan(options: JobOptions, source: Source, outdir: OutputDir) -> _Plan:
         manifest = Manifest(fingerprint(job), job, spec.as_dict(), schema_to_json(input_schema),
                             sorted(json_columns), schema_to_json(schema), inspection.num_rows)
         plan = _Plan(spec, input_schema, json_columns, manifest, fresh=True)
+    if options.tools is not None and plan.spec.mode == "prompt" \
+            and options.system_prompt is None:
+        raise JobError(f"--tools: the prompts of column {plan.spec.column!r} are sent as "
+                       "they are, not through the chat template; give a messages column, or "
+                       "--system-prompt to make each prompt a chat")
     if options.tool_call_parser is not None and options.tools is None \
             and plan.spec.mode != "openai":
         raise JobError(f"--tool-call-parser {options.tool_call_parser} needs --tools (or "

@@ -367,6 +367,10 @@ def test_a_parser_without_tools_is_refused_before_the_model_loads(tmp_path, run_
         result = run_cli(tmp_path / "in.jsonl", "-o", tmp_path / "out", "--tools", value)
         assert result.exit_code == 2 and why in result.output, result.output
         assert len(result.output.strip().splitlines()) == 1
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "hello"}) + "\n")
+    result = run_cli(tmp_path / "prompts.jsonl", "-o", tmp_path / "out", "--tools",
+                     json.dumps(TOOLS))
+    assert result.exit_code == 2 and "not through the chat template" in result.output
 
 
 class RecordingEngine(FakeEngine):
