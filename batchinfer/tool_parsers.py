@@ -65,6 +65,16 @@ def _call(value: Any, arguments_keys: tuple[str, ...] = ("arguments",)) -> dict[
     return {"name": value["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}
 
 
+def call_id(parser: str | None, row_id: Any, sample_index: int, position: int) -> str:
+    """A call's id, the same on every run: Mistral's 9 letters and digits (its chat template
+    takes no other), else vLLM's chatcmpl-tool- and 32 hex digits."""
+    digest = hashlib.sha256(json.dumps([str(row_id), sample_index, position]).encode())
+    if parser == "mistral":
+        number = int.from_bytes(digest.digest()[:8], "little")
+        return "".join(_ID_ALPHABET[(number >> (6 * i)) % 62] for i in range(9))
+    return "chatcmpl-tool-" + digest.hexdigest()[:32]
+
+
 class ToolParser:
     def __init__(self, name: str):
         check_tool_parser_name(name)
@@ -83,14 +93,6 @@ class ToolParser:
             return text, []
         return (text, []) if found is None else found
 
-    def call_id(self, row_id: Any, sample_index: int, position: int) -> str:
-        """A call's id, the same on every run: Mistral's 9 letters and digits (its chat
-        template takes no other), else vLLM's chatcmpl-tool- and 32 hex digits."""
-        digest = hashlib.sha256(json.dumps([str(row_id), sample_index, position]).encode())
-        if self.name == "mistral":
-            number = int.from_bytes(digest.digest()[:8], "little")
-            return "".join(_ID_ALPHABET[(number >> (6 * i)) % 62] for i in range(9))
-        return "chatcmpl-tool-" + digest.hexdigest()[:32]
 
 
 def _tagged(text: str) -> tuple[str, list[dict[str, str]]] | None:

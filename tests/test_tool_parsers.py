@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from batchinfer.tool_parsers import TOOL_CALL_PARSERS, ToolParser, check_tools
+from batchinfer.tool_parsers import TOOL_CALL_PARSERS, ToolParser, call_id, check_tools
 
 
 def parse(name: str, text: str) -> tuple[str, list[tuple[str, object]]]:
@@ -84,10 +84,11 @@ def test_arguments_are_json_text_and_ids_are_stable():
     parser = ToolParser("hermes")
     _, calls = parser.parse('<tool_call>{"name": "f", "arguments": {"q": "café"}}</tool_call>')
     assert calls == [{"name": "f", "arguments": '{"q": "café"}'}]
-    ids = {parser.call_id("row-1", s, p) for s in range(3) for p in range(3)}
+    ids = {call_id("hermes", "row-1", s, p) for s in range(3) for p in range(3)}
     assert len(ids) == 9 and all(re.fullmatch("chatcmpl-tool-[0-9a-f]{32}", i) for i in ids)
-    assert parser.call_id("row-1", 0, 0) == ToolParser("qwen3").call_id("row-1", 0, 0)
-    mistral = ToolParser("mistral").call_id("row-1", 0, 0)
+    assert call_id("hermes", "row-1", 0, 0) == call_id(None, "row-1", 0, 0)
+    assert call_id("hermes", "row-1", 0, 0) != call_id("hermes", "row-2", 0, 0)
+    mistral = call_id("mistral", "row-1", 0, 0)
     assert re.fullmatch("[A-Za-z0-9]{9}", mistral)  # Mistral's template takes no other
     assert not ToolParser("mistral").skip_special_tokens  # [TOOL_CALLS] is a special token
     assert all(ToolParser(n).skip_special_tokens for n in TOOL_CALL_PARSERS if n != "mistral")

@@ -128,6 +128,7 @@ class WorkItem:
     params: SamplingParams | None = None
     error: str | None = None
     with_tools: bool = False  # the chat template was given tools: its output may call them
+    forced_tool: str | None = None  # tool_choice named this function: the output is a call
 
     @property
     def sort_key(self) -> array:
@@ -141,6 +142,7 @@ class _Text:
     text: str
     add_special_tokens: bool  # False for a rendered chat: the template wrote them
     with_tools: bool = False
+    forced_tool: str | None = None
 
 
 class PromptBuilder:
@@ -217,6 +219,7 @@ class PromptBuilder:
             return item
         if isinstance(prompt, _Text):
             item.prompt, item.with_tools = prompt, prompt.with_tools
+            item.forced_tool = prompt.forced_tool
         else:
             item.prompt = array("i", prompt)
         return item
@@ -280,7 +283,12 @@ class PromptBuilder:
             if row_kwargs is not None and not isinstance(row_kwargs, dict):
                 raise ValueError("body.chat_template_kwargs must be an object, got "
                                  f"{_type_name(row_kwargs)}")
-            return self._from_messages(body["messages"], row_kwargs, _body_tools(body)), params
+            tools, forced = _body_tools(body, self.tools)
+            text = self._from_messages(body["messages"], row_kwargs, tools)
+            if forced is not None:
+                text.forced_tool = forced["name"]
+                params = _forced_call_params(params, forced)
+            return text, params
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             if any(isinstance(t, bool) or not 0 <= t < 2 ** 31 for t in prompt):
@@ -326,24 +334,50 @@ class PromptBuilder:
         return params
 
 
-def _body_tools(body: dict) -> list[dict] | None:
-    """A chat line's tools as the template takes them: None for the flags' (--tools), [] for
-    none (tool_choice "none"). tool_choice "auto" (the default) lets the model choose; a
-    forced call ("required", a named function) is not supported."""
+def _body_tools(body: dict, default: list[dict] | None
+                ) -> tuple[list[dict] | None, dict | None]:
+    """A chat line's tools as the template takes them (None for the flags' --tools, [] for
+    none: tool_choice "none"), and the function tool_choice names, if it names one
+    ({"type": "function", "function": {"name": ...}}). tool_choice "auto" (the default)
+    lets the model choose; "required" is not supported."""
     from batchinfer.tool_parsers import check_tools
     choice = body.get("tool_choice")
     if choice == "none":
-        return []
-    if choice not in (None, "auto"):
-        raise ValueError(f"body.tool_choice {json.dumps(choice)} is not supported; use "
-                         '"auto" or "none"')
+        return [], None
     tools = body.get("tools")
-    if tools is None:
-        return None
+    if tools is not None:
+        try:
+            tools = check_tools(tools)
+        except ValueError as e:
+            raise ValueError(f"body.{e}") from None
+    if choice in (None, "auto"):
+        return tools, None
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) \
+        and choice.get("type") == "function" and isinstance(choice.get("function"), dict) \
+        else None
+    if not isinstance(name, str):
+        raise ValueError(f"body.tool_choice {json.dumps(choice)} is not supported; use "
+                         '"auto", "none" or {"type": "function", "function": {"name": ...}}')
+    named = [t["function"] for t in (tools if tools is not None else default or [])
+             if t["function"]["name"] == name]
+    if not named:
+        raise ValueError(f"body.tool_choice names {name!r}, which is not among the tools")
+    return tools, named[0]
+
+
+def _forced_call_params(params: SamplingParams, function: dict) -> SamplingParams:
+    """The line's params with the output made a JSON instance of the function's
+    parameters (vLLM's way with a named tool_choice)."""
+    if params.structured_outputs is not None:
+        raise ValueError("body.tool_choice naming a function cannot be combined with another "
+                         "constraint (guided_*, structured_outputs, response_format)")
+    schema = function.get("parameters") or {"type": "object"}
     try:
-        return check_tools(tools)
-    except ValueError as e:
-        raise ValueError(f"body.{e}") from None
+        return params.clone(structured_outputs={"json": schema})
+    except (TypeError, ValueError) as e:
+        message = str(e).replace("SamplingParams.structured_outputs: ", "")
+        raise ValueError(f"body.tool_choice: the parameters of {function['name']!r}: "
+                         f"{message}") from None
 
 
 def _response_format_schema(response_format: Any) -> Any:

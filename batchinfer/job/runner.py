@@ -11,6 +11,7 @@ is 128 + the signal, so a scheduler such as Slurm can requeue the job, which the
 from __future__ import annotations
 
 import functools
+import json
 import re
 import signal
 import sys
@@ -44,7 +45,7 @@ from batchinfer.job.writer import PartWriter, error_rows, output_schema, sample_
 from batchinfer.outputs import RequestOutput
 from batchinfer.reasoning import END_TAG, ReasoningParser
 from batchinfer.sampling_params import SamplingParams
-from batchinfer.tool_parsers import ToolParser
+from batchinfer.tool_parsers import ToolParser, call_id
 
 
 class Engine(Protocol):
@@ -148,7 +149,8 @@ def _plan(options: JobOptions, source: Source, outdir: OutputDir) -> _Plan:
                                options.logprobs is not None or spec.mode == "openai",
                                options.prompt_logprobs is not None or spec.mode == "openai",
                                options.reasoning_parser is not None,
-                               options.tool_call_parser is not None)
+                               # an OpenAI line's tool_choice may name a function
+                               options.tool_call_parser is not None or spec.mode == "openai")
         manifest = Manifest(fingerprint(job), job, spec.as_dict(), schema_to_json(input_schema),
                             sorted(json_columns), schema_to_json(schema), inspection.num_rows)
         plan = _Plan(spec, input_schema, json_columns, manifest, fresh=True)
@@ -451,15 +453,23 @@ class _Loop:
         self.finished.append(rows)
 
     def parse_tool_calls(self, item: WorkItem, row: dict[str, Any]) -> None:
+        """The row's tool calls: those --tool-call-parser finds where the template was given
+        tools, or the one call a line's tool_choice named (its output is the arguments); a
+        malformed call leaves the text in the completion."""
         if row["finish_reason"] == "error":
             row["tool_calls"] = None
             return
-        calls = []
-        if item.with_tools and row["completion"] is not None:
-            row["completion"], found = self.tool_parser.parse(row["completion"])
-            calls = [{"id": self.tool_parser.call_id(item.row_id, row["sample_index"], i),
-                      "type": "function", "function": call} for i, call in enumerate(found)]
-        row["tool_calls"] = calls
+        found: list[dict[str, str]] = []
+        text = row["completion"]
+        if item.forced_tool is not None:
+            if _is_json_object(text):
+                row["completion"], found = "", [{"name": item.forced_tool, "arguments": text}]
+        elif item.with_tools and self.tool_parser is not None and text is not None:
+            row["completion"], found = self.tool_parser.parse(text)
+        row["tool_calls"] = [{"id": call_id(self.options.tool_call_parser, item.row_id,
+                                            row["sample_index"], i),
+                              "type": "function", "function": call}
+                             for i, call in enumerate(found)]
 
     def report(self) -> None:
         """Metrics and progress, once per step for all rows that finished in it."""
@@ -503,6 +513,13 @@ def _finish(options: JobOptions, outdir: OutputDir, manifest: Manifest, complete
     if options.output_format == "openai":
         print(f"batchinfer: OpenAI Batch output in {outdir.openai_path}", file=out)
     return JobResult(0, summary, outdir.path)
+
+
+def _is_json_object(text: str | None) -> bool:
+    try:
+        return isinstance(json.loads(text or ""), dict)
+    except (json.JSONDecodeError, RecursionError):
+        return False
 
 
 # the share of completions that may end by length, with no --max-tokens, before a warning

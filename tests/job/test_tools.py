@@ -313,19 +313,31 @@ def test_tools_reach_the_template_and_calls_become_a_column(
         assert call["id"].startswith("chatcmpl-tool-")
 
 
+LABEL_TOOL = {"type": "function", "function": {
+    "name": "set_label", "description": "Label the city's weather.",
+    "parameters": {"type": "object", "properties": {
+        "label": {"enum": ["sunny", "rainy"]}, "city": {"type": "string", "maxLength": 8}},
+        "required": ["label", "city"], "additionalProperties": False}}}
+NAMED = {"type": "function", "function": {"name": "set_label"}}
+
+
 def test_openai_lines_with_tools(tmp_path, run_cli, qwen3_dir):
     model_dir = with_template(qwen3_dir, tmp_path / "model", QWEN3_TEMPLATE)
+    forced = {"guided_regex": CALL_REGEX["qwen3"]}
     lines = {
-        "auto": {"tools": TOOLS, "tool_choice": "auto"},
-        "none": {"tools": TOOLS, "tool_choice": "none"},
-        "no-tools": {},
+        "auto": {"tools": TOOLS, "tool_choice": "auto", **forced},
+        "none": {"tools": TOOLS, "tool_choice": "none", **forced},
+        "no-tools": forced,
+        "named": {"tools": [*TOOLS, LABEL_TOOL], "tool_choice": NAMED},
+        "named-unknown": {"tools": TOOLS, "tool_choice": NAMED},
+        "named-and-regex": {"tools": [LABEL_TOOL], "tool_choice": NAMED, **forced},
         "required": {"tools": TOOLS, "tool_choice": "required"},
         "bad-tools": {"tools": [{"type": "function", "function": {}}]},
     }
     (tmp_path / "batch.jsonl").write_text("".join(json.dumps({
         "custom_id": name, "method": "POST", "url": "/v1/chat/completions",
         "body": {"messages": CONVERSATIONS[1], "max_tokens": 120, "temperature": 0,
-                 "guided_regex": CALL_REGEX["qwen3"], **body}}) + "\n"
+                 **body}}) + "\n"
         for name, body in lines.items()))
     result = run_cli(tmp_path / "batch.jsonl", "-o", tmp_path / "out", "--model", model_dir,
                      "--tool-call-parser", "hermes", "--output-format", "openai",
@@ -341,10 +353,17 @@ def test_openai_lines_with_tools(tmp_path, run_cli, qwen3_dir):
     assert len(rows["auto"]["tool_calls"]) == 1 and rows["auto"]["completion"] == ""
     for name in ("none", "no-tools"):  # no tools given: the text stays the completion
         assert rows[name]["tool_calls"] == [] and rows[name]["completion"].startswith("<tool_")
+    # a named tool_choice: the output is the function's arguments, made to fit its schema
+    [named] = rows["named"]["tool_calls"]
+    assert named["function"]["name"] == "set_label" and rows["named"]["completion"] == ""
+    arguments = json.loads(named["function"]["arguments"])
+    assert arguments["label"] in ("sunny", "rainy") and len(arguments["city"]) <= 8
+    assert "not among the tools" in rows["named-unknown"]["error"]
+    assert "cannot be combined" in rows["named-and-regex"]["error"]
     assert "tool_choice \"required\" is not supported" in rows["required"]["error"]
     assert "body.tools[0].function.name" in rows["bad-tools"]["error"]
-    for row in (rows["required"], rows["bad-tools"]):
-        assert row["finish_reason"] == "error" and row["tool_calls"] is None
+    for name in ("required", "bad-tools", "named-unknown", "named-and-regex"):
+        assert rows[name]["finish_reason"] == "error" and rows[name]["tool_calls"] is None
     out = {o["custom_id"]: o["response"] for o in map(json.loads, (
         tmp_path / "out" / "__batchinfer__" / "openai_output.jsonl").open())}
     choice = out["auto"]["body"]["choices"][0]
@@ -352,9 +371,12 @@ def test_openai_lines_with_tools(tmp_path, run_cli, qwen3_dir):
     assert choice["message"]["content"] is None
     assert choice["message"]["tool_calls"] == rows["auto"]["tool_calls"]
     plain = out["none"]["body"]["choices"][0]
-    assert plain["finish_reason"] == "stop" and plain["message"]["tool_calls"] == []
+    assert plain["finish_reason"] == "stop" and "tool_calls" not in plain["message"]
     assert plain["message"]["content"] == rows["none"]["completion"]
     assert out["required"]["status_code"] == 400
+    named_choice = out["named"]["body"]["choices"][0]  # "stop", as OpenAI's API writes it
+    assert named_choice["finish_reason"] == "stop"
+    assert named_choice["message"]["tool_calls"] == rows["named"]["tool_calls"]
 
 
 def test_a_parser_without_tools_is_refused_before_the_model_loads(tmp_path, run_cli):
