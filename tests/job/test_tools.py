@@ -450,3 +450,15 @@ def test_tools_in_a_job_file(tmp_path):
         'required = ["city"]}}\n')
     values = load_job_file(tmp_path / "job.toml")
     assert JobOptions(tools=values["tools"]).tools_value() == TOOLS
+
+
+def test_llm_chat_hands_tools_to_the_template(tmp_path, qwen3_dir):
+    from batchinfer import LLM, SamplingParams
+    from jobtools import ENGINE_KWARGS
+    model_dir = with_template(qwen3_dir, tmp_path / "model", QWEN3_TEMPLATE)
+    llm = LLM(str(model_dir), **ENGINE_KWARGS)
+    [out] = llm.chat(CONVERSATIONS[1], SamplingParams(max_tokens=1), tools=TOOLS)
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert tokenizer.decode(out.prompt_token_ids) == templated(
+        QWEN3_TEMPLATE, CONVERSATIONS[1], TOOLS, model_dir)
