@@ -88,19 +88,21 @@ class LLM:
              add_generation_prompt: bool = True, *, chat_template: str | None = None,
              chat_template_kwargs: dict | None = None,
              continue_final_message: bool = False,
-             reasoning_parser: str | None = None) -> list[RequestOutput]:
+             reasoning_parser: str | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of them.
         `chat_template` replaces the tokenizer's template (Jinja text);
         `chat_template_kwargs` are extra template variables, such as
         {"enable_thinking": False}; `continue_final_message` continues the last message
-        (pass add_generation_prompt=False with it); `reasoning_parser` as in generate()."""
+        (pass add_generation_prompt=False with it); `reasoning_parser` as in generate();
+        `tools`, an OpenAI tools list for the template, as in vLLM."""
         parser = self._reasoning_parser(reasoning_parser, chat_template_kwargs)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         engine = self.llm_engine
         texts = [engine.render_chat_text(
             c, add_generation_prompt, chat_template=chat_template,
             chat_template_kwargs=chat_template_kwargs,
-            continue_final_message=continue_final_message) for c in conversations]
+            continue_final_message=continue_final_message, tools=tools) for c in conversations]
         # one tokenizer call for all of them (the template wrote the special tokens)
         return self._generate(engine.encode_prompts(texts, add_special_tokens=False),
                               sampling_params, use_tqdm, parser)

@@ -12,7 +12,7 @@ PACKAGE = Path(batchinfer.__file__).parent
 LAYERS = [
     ["batchinfer.config", "batchinfer.outputs", "batchinfer.sampling_params",
      "batchinfer.paths", "batchinfer.flags", "batchinfer.structured", "batchinfer.data",
-     "batchinfer.reasoning"],
+     "batchinfer.reasoning", "batchinfer.tool_parsers"],
     ["batchinfer.kernels"],
     ["batchinfer.model", "batchinfer.attention"],
     ["batchinfer.engine"],

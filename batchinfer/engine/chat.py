@@ -3,6 +3,7 @@ encoded many at a time. The engine's API (render_chat, render_chat_text, encode_
 calls these with its tokenizer."""
 from __future__ import annotations
 
+import json
 from typing import Any
 
 
@@ -23,12 +24,16 @@ def encode_prompts(tokenizer: Any, texts: list[str],
 def render_chat_text(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True,
                      *, chat_template: str | None = None,
                      chat_template_kwargs: dict | None = None,
-                     continue_final_message: bool = False) -> str:
+                     continue_final_message: bool = False,
+                     tools: list[dict] | None = None) -> str:
     """A conversation through the tokenizer's chat template (or the given Jinja
     `chat_template`) as text, with `chat_template_kwargs` as extra template variables
     (e.g. {"enable_thinking": False} for Qwen3). `continue_final_message` leaves the last
-    message open for the model to continue, instead of starting a new turn. ValueError
-    names what is wrong with the messages or the template."""
+    message open for the model to continue, instead of starting a new turn. `tools`: an
+    OpenAI tools list, for templates that describe tools to the model. Messages may hold
+    an assistant's `tool_calls` (their JSON `arguments` handed to the template as objects,
+    as vLLM does) and `tool` results. ValueError names what is wrong with the messages or
+    the template."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
     messages = [_text_message(m) for m in messages]
@@ -42,7 +47,7 @@ def render_chat_text(tokenizer: Any, messages: list[dict], add_generation_prompt
         text = tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, chat_template=chat_template,
-            **kwargs)
+            tools=tools, **kwargs)
     except Exception as e:  # a template error (jinja2's TemplateError and its kin)
         if isinstance(e, ValueError):
             raise
@@ -75,9 +80,14 @@ def check_chat_template_kwargs(kwargs) -> dict:
 def _text_message(message) -> dict:
     """A chat message with string content. OpenAI's list of content parts is taken when
     every part is text ({"type": "text", "text": ...}); the texts are joined by newlines,
-    as vLLM does for templates that take a string."""
+    as vLLM does for templates that take a string. An assistant message with `tool_calls`
+    may have no content."""
     if not (isinstance(message, dict) and isinstance(message.get("role"), str)):
         raise ValueError("each message must be a dict with string 'role' and 'content'")
+    if message.get("tool_calls") is not None:
+        message = {**message, "tool_calls": _tool_calls(message["tool_calls"])}
+        if message.get("content") is None:
+            return {k: v for k, v in message.items() if k != "content"}
     content = message.get("content")
     if isinstance(content, list):
         if not all(isinstance(p, dict) and p.get("type") == "text"
@@ -88,6 +98,27 @@ def _text_message(message) -> dict:
     if not isinstance(content, str):
         raise ValueError("each message must be a dict with string 'role' and 'content'")
     return message
+
+
+def _tool_calls(calls) -> list[dict]:
+    """An assistant's tool calls ([{"id", "type": "function", "function": {"name",
+    "arguments"}}]) with each `arguments` JSON text parsed to its object."""
+    if not isinstance(calls, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict)
+            and isinstance(c["function"].get("name"), str) for c in calls):
+        raise ValueError("tool_calls must be a list of {'id', 'type': 'function', "
+                         "'function': {'name', 'arguments'}} objects")
+    out = []
+    for call in calls:
+        arguments = call["function"].get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                raise ValueError(f"tool_calls: the arguments of {call['function']['name']!r} "
+                                 "are not JSON") from None
+        out.append({**call, "function": {**call["function"], "arguments": arguments or {}}})
+    return out
 
 
 def check_unicode(text: str, what: str) -> None:

@@ -419,12 +419,13 @@ class LLMEngine:
     def render_chat_text(self, messages: list[dict], add_generation_prompt: bool = True, *,
                          chat_template: str | None = None,
                          chat_template_kwargs: dict | None = None,
-                         continue_final_message: bool = False) -> str:
+                         continue_final_message: bool = False,
+                         tools: list[dict] | None = None) -> str:
         """render_chat's conversation as text, before tokenizing (see encode_prompts)."""
         return render_chat_text(self.tokenizer, messages, add_generation_prompt,
                                 chat_template=chat_template,
                                 chat_template_kwargs=chat_template_kwargs,
-                                continue_final_message=continue_final_message)
+                                continue_final_message=continue_final_message, tools=tools)
 
 
 def _eos_token_ids(path, model_config: ModelConfig, tokenizer) -> frozenset[int]:

@@ -10,6 +10,7 @@ from batchinfer.job.config_file import load_job_file
 from batchinfer.job.errors import JobError
 from batchinfer.job.options import OUTPUT_FORMATS, JobOptions
 from batchinfer.reasoning import REASONING_PARSERS
+from batchinfer.tool_parsers import TOOL_CALL_PARSERS
 
 
 class FatalError(click.ClickException):
@@ -77,6 +78,14 @@ def _options(f):
         O("--reasoning-parser", type=click.Choice(REASONING_PARSERS),
           help="deepseek_r1 or qwen3: the text inside <think>...</think> goes to a "
                "`reasoning` column, the answer after it to `completion`."),
+        O("--max-attempts", type=click.IntRange(min=1),
+          help="Generate a completion that is not valid for its constraint again, with a "
+               "new seed, up to K attempts in all (default 1); an `attempts` column."),
+        O("--tools", metavar="JSON",
+          help="An OpenAI tools list for the chat template (@FILE reads a file)."),
+        O("--tool-call-parser", type=click.Choice(TOOL_CALL_PARSERS),
+          help="hermes, llama3_json, mistral or qwen3: the tool calls in a completion go to "
+               "a `tool_calls` column."),
         # EngineConfig (batchinfer/flags.py)
         flags.options(flags.ENGINE_NAMES),
         flags.options(flags.NODE_NAMES),

@@ -20,6 +20,7 @@ from batchinfer.job.errors import JobError
 _PATH_KEYS = ("input", "output", "metrics_textfile", "chat_template")
 # the options whose TOML value is a table of their own (the flags take it as JSON)
 _TABLE_VALUED = ("chat_template_kwargs", "json_schema")
+_LIST_VALUED = ("tools",)  # an array of tables, taken as JSON too
 # earlier names of options, still read
 _ALIASES = {"prefix_caching": "enable_prefix_caching"}
 
@@ -45,7 +46,8 @@ def load_job_file(path: str | Path) -> dict[str, Any]:
         for name, v in items:
             name = name.replace("-", "_")
             name = _ALIASES.get(name, name)
-            if name in _TABLE_VALUED and isinstance(v, dict):
+            if (name in _TABLE_VALUED and isinstance(v, dict)) or (
+                    name in _LIST_VALUED and isinstance(v, list)):
                 v = json.dumps(v)
             if name in values:
                 raise JobError(f"--config {path}: {name!r} is given twice")

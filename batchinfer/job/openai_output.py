@@ -19,8 +19,9 @@ import pyarrow.parquet as pq
 from batchinfer.job.durable import fsync_dir
 from batchinfer.job.prompts import COMPLETIONS_URL
 
-_COLUMNS = ("id", "sample_index", "url", "body", "completion", "reasoning", "finish_reason",
-            "prompt_tokens", "output_tokens", "error", "logprobs", "prompt_logprobs")
+_COLUMNS = ("id", "sample_index", "url", "body", "completion", "reasoning", "tool_calls",
+            "finish_reason", "prompt_tokens", "output_tokens", "error", "logprobs",
+            "prompt_logprobs")
 
 
 def _rows(parts: list[tuple[Path, bool]]) -> Iterator[tuple[list[dict[str, Any]], bool]]:
@@ -31,8 +32,10 @@ def _rows(parts: list[tuple[Path, bool]]) -> Iterator[tuple[list[dict[str, Any]]
     for path, sampled_first in parts:
         f = pq.ParquetFile(path)
         names = f.schema_arrow.names
-        # `body` (the request, prompt included) only to see how many logprobs a line asked for
-        columns = [c for c in _COLUMNS if c in names and (c != "body" or "logprobs" in names)]
+        # `body` (the request, prompt included) only to see how many logprobs a line asked
+        # for, and whether its tool_choice named a function
+        columns = [c for c in _COLUMNS if c in names and (
+            c != "body" or "logprobs" in names or "tool_calls" in names)]
         for batch in f.iter_batches(batch_size=4096, columns=columns):
             for row in batch.to_pylist():
                 if group and row["sample_index"] == 0:
@@ -64,6 +67,15 @@ def _top_k(body: Any, is_chat: bool, default: int | None) -> int:
         if not is_chat and isinstance(asked, int) and not isinstance(asked, bool):
             return asked
     return default or 0
+
+
+def _named_tool_choice(body: Any) -> bool:
+    if isinstance(body, str):
+        try:
+            body = json.loads(body)
+        except json.JSONDecodeError:
+            return False
+    return isinstance(body, dict) and isinstance(body.get("tool_choice"), dict)
 
 
 def _finite(logprob: float) -> float:
@@ -135,12 +147,18 @@ def response_line(group: list[dict[str, Any]], model: str, created: int,
                 choice["message"]["reasoning_content"] = row["reasoning"]
             else:
                 choice["reasoning_content"] = row["reasoning"]
+        finish_reason = row["finish_reason"]
+        if is_chat and row.get("tool_calls"):  # as vLLM's server writes them
+            choice["message"]["tool_calls"] = row["tool_calls"]
+            choice["message"]["content"] = row["completion"] or None
+            # a call the line's tool_choice named ends as "stop", as in OpenAI's API
+            finish_reason = "stop" if _named_tool_choice(first.get("body")) else "tool_calls"
         steps = row.get("logprobs")
         logprobs = None
         if steps and sampled_first:
             k = _top_k(first.get("body"), is_chat, default_logprobs)
             logprobs = _logprobs_object(steps, k, is_chat)
-        choice.update(logprobs=logprobs, finish_reason=row["finish_reason"])
+        choice.update(logprobs=logprobs, finish_reason=finish_reason)
         if not is_chat:  # vLLM's field, null unless the line asked
             choice["prompt_logprobs"] = _prompt_logprobs_list(row.get("prompt_logprobs"))
         choices.append(choice)

@@ -60,6 +60,9 @@ class JobOptions:
     regex: str | None = None
     json_schema: str | None = None
     reasoning_parser: str | None = None
+    max_attempts: int = 1
+    tools: str | None = None
+    tool_call_parser: str | None = None
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
     ignore_eos: bool | None = None
@@ -134,6 +137,12 @@ class JobOptions:
             if not getattr(self, name):
                 what = "INPUT" if name == "input" else flag(name)
                 raise JobError(f"missing {what}: give it on the command line or in the job file")
+        if self.tool_call_parser is not None:
+            from batchinfer.tool_parsers import check_tool_parser_name
+            try:
+                check_tool_parser_name(self.tool_call_parser)
+            except ValueError as e:
+                raise JobError(f"--tool-call-parser: {e}") from None
         if self.reasoning_parser is not None:
             from batchinfer.reasoning import check_parser_name
             try:
@@ -159,6 +168,7 @@ class JobOptions:
              f"must be in [0, {65536 - self.data_parallel_size}] (process j of "
              f"--data-parallel-size {self.data_parallel_size} serves port P + j)"),
             ("max_n", self.max_n >= 1, "must be >= 1"),
+            ("max_attempts", self.max_attempts >= 1, "must be >= 1"),
             ("node_rank", self.node_rank is None or 0 <= self.node_rank < (self.nnodes or 1),
              f"must be in [0, --nnodes) = [0, {self.nnodes or 1})"),
             ("data_parallel_size", self.data_parallel_size == 1 or (self.nnodes or 1) == 1,
@@ -192,6 +202,7 @@ class JobOptions:
         self.prompt_template_text()
         self.messages_template_list()
         self.sampling_column_names()
+        self.tools_value()
         if (self.nnodes or 1) > 1:
             self._check_nodes()
 
@@ -338,6 +349,26 @@ class JobOptions:
         except json.JSONDecodeError as e:
             raise JobError(f"--json-schema: not valid JSON ({e})") from None
 
+    def tools_value(self) -> list[dict] | None:
+        """--tools parsed and checked: an OpenAI tools list, as JSON text or the JSON file
+        after an "@"."""
+        if self.tools is None:
+            return None
+        from batchinfer.tool_parsers import check_tools
+        text = self.tools
+        if text.startswith("@"):
+            path = Path(text[1:]).expanduser()
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise JobError(f"--tools {self.tools}: cannot read {path}: {e}") from None
+        try:
+            return check_tools(json.loads(text))
+        except json.JSONDecodeError as e:
+            raise JobError(f"--tools {self.tools}: not valid JSON ({e})") from None
+        except ValueError as e:
+            raise JobError(f"--tools {self.tools}: {e}") from None
+
     def chat_template_text(self) -> str | None:
         """The Jinja template in the --chat-template file."""
         if self.chat_template is None:
@@ -391,6 +422,11 @@ class JobOptions:
             "chat_template": digest_of_text(self.chat_template_text()),
             "chat_template_kwargs": self.template_kwargs(),
             "reasoning_parser": self.reasoning_parser,
+            # recorded where set, so that jobs written before these options continue
+            **({"max_attempts": self.max_attempts} if self.max_attempts != 1 else {}),
+            **({"tools": self.tools_value()} if self.tools is not None else {}),
+            **({"tool_call_parser": self.tool_call_parser}
+               if self.tool_call_parser is not None else {}),
             "id_column": self.id_column,
             # how a row becomes a request (texts by digest, as above)
             "rows": {

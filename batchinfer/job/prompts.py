@@ -168,6 +168,8 @@ class WorkItem:
     params: SamplingParams | None = None
     error: str | None = None
     text: str | None = None  # the prompt's text, kept with --keep-prompt
+    with_tools: bool = False  # the chat template was given tools: its output may call them
+    forced_tool: str | None = None  # tool_choice named this function: the output is a call
 
     @property
     def sort_key(self) -> array:
@@ -180,6 +182,8 @@ class _Text:
     """A prompt still to tokenize: encoded with the rest of its batch in one call."""
     text: str
     add_special_tokens: bool  # False for a rendered chat: the template wrote them
+    with_tools: bool = False
+    forced_tool: str | None = None
 
 
 class PromptBuilder:
@@ -193,11 +197,12 @@ class PromptBuilder:
                  render_chat: RenderChat, encode: Encode,
                  chat_template_kwargs: dict | None = None, max_n: int = 128, *,
                  templates: RowTemplates | None = None, sampling: RowSampling | None = None,
-                 keep_prompt: bool = False):
+                 keep_prompt: bool = False, tools: list[dict] | None = None):
         self.spec = spec
         self.templates = templates
         self.sampling = sampling
         self.keep_prompt = keep_prompt
+        self.tools = tools  # --tools: for every chat the template renders
         self.max_n = max_n  # completions one row (an OpenAI Batch line's n) may ask for
         self.params = params
         self.system_prompt = system_prompt
@@ -269,7 +274,11 @@ class PromptBuilder:
         except ValueError as e:
             item.error = str(e)
             return item
-        item.prompt = prompt if isinstance(prompt, _Text) else array("i", prompt)
+        if isinstance(prompt, _Text):
+            item.prompt, item.with_tools = prompt, prompt.with_tools
+            item.forced_tool = prompt.forced_tool
+        else:
+            item.prompt = array("i", prompt)
         return item
 
     def _from_template(self, values: dict[str, Any], system: str | None) -> _Text:
@@ -291,7 +300,7 @@ class PromptBuilder:
         return self._render([{"role": "user", "content": value}], system=system)
 
     def _from_messages(self, value: Any, template_kwargs: dict | None = None,
-                       system: str | None = None) -> _Text:
+                       system: str | None = None, tools: list[dict] | None = None) -> _Text:
         if isinstance(value, str):
             try:
                 value = json.loads(value)
@@ -306,15 +315,18 @@ class PromptBuilder:
         if not all(isinstance(m, dict) for m in value):
             raise ValueError("each message must be an object with 'role' and 'content'")
         messages = [{k: v for k, v in m.items() if v is not None} for m in value]
-        return self._render(messages, template_kwargs, system)
+        return self._render(messages, template_kwargs, system, tools)
 
     def _render(self, messages: list[dict], template_kwargs: dict | None = None,
-                system: str | None = None) -> _Text:
+                system: str | None = None, tools: list[dict] | None = None) -> _Text:
         if system is not None and messages[0].get("role") != "system":
             messages = [{"role": "system", "content": system}, *messages]
         kwargs = {**self.chat_template_kwargs, **(template_kwargs or {})}
+        tools = self.tools if tools is None else tools or None  # [] : none for this row
+        given = {} if tools is None else {"tools": tools}  # (a renderer may not take it)
         try:
-            return _Text(self.render_chat(messages, chat_template_kwargs=kwargs), False)
+            return _Text(self.render_chat(messages, chat_template_kwargs=kwargs, **given),
+                         False, tools is not None)
         except ValueError as e:
             raise ValueError(f"invalid messages: {e}") from None
 
@@ -335,7 +347,12 @@ class PromptBuilder:
             if row_kwargs is not None and not isinstance(row_kwargs, dict):
                 raise ValueError("body.chat_template_kwargs must be an object, got "
                                  f"{_type_name(row_kwargs)}")
-            return self._from_messages(body["messages"], row_kwargs, system), params
+            tools, forced = _body_tools(body, self.tools)
+            text = self._from_messages(body["messages"], row_kwargs, system, tools)
+            if forced is not None:
+                text.forced_tool = forced["name"]
+                params = _forced_call_params(params, forced)
+            return text, params
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             if any(isinstance(t, bool) or not 0 <= t < 2 ** 31 for t in prompt):
@@ -376,6 +393,52 @@ class PromptBuilder:
             raise ValueError(f"body.n = {params.n} is over the limit of {self.max_n} "
                              "completions per row (--max-n)")
         return params
+
+
+def _body_tools(body: dict, default: list[dict] | None
+                ) -> tuple[list[dict] | None, dict | None]:
+    """A chat line's tools as the template takes them (None for the flags' --tools, [] for
+    none: tool_choice "none"), and the function tool_choice names, if it names one
+    ({"type": "function", "function": {"name": ...}}). tool_choice "auto" (the default)
+    lets the model choose; "required" is not supported."""
+    from batchinfer.tool_parsers import check_tools
+    choice = body.get("tool_choice")
+    if choice == "none":
+        return [], None
+    tools = body.get("tools")
+    if tools is not None:
+        try:
+            tools = check_tools(tools)
+        except ValueError as e:
+            raise ValueError(f"body.{e}") from None
+    if choice in (None, "auto"):
+        return tools, None
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) \
+        and choice.get("type") == "function" and isinstance(choice.get("function"), dict) \
+        else None
+    if not isinstance(name, str):
+        raise ValueError(f"body.tool_choice {json.dumps(choice)} is not supported; use "
+                         '"auto", "none" or {"type": "function", "function": {"name": ...}}')
+    named = [t["function"] for t in (tools if tools is not None else default or [])
+             if t["function"]["name"] == name]
+    if not named:
+        raise ValueError(f"body.tool_choice names {name!r}, which is not among the tools")
+    return tools, named[0]
+
+
+def _forced_call_params(params: SamplingParams, function: dict) -> SamplingParams:
+    """The line's params with the output made a JSON instance of the function's
+    parameters (vLLM's way with a named tool_choice)."""
+    if params.structured_outputs is not None:
+        raise ValueError("body.tool_choice naming a function cannot be combined with another "
+                         "constraint (guided_*, structured_outputs, response_format)")
+    schema = function.get("parameters") or {"type": "object"}
+    try:
+        return params.clone(structured_outputs={"json": schema})
+    except (TypeError, ValueError) as e:
+        message = str(e).replace("SamplingParams.structured_outputs: ", "")
+        raise ValueError(f"body.tool_choice: the parameters of {function['name']!r}: "
+                         f"{message}") from None
 
 
 def _response_format_schema(response_format: Any) -> Any:

@@ -11,6 +11,7 @@ is 128 + the signal, so a scheduler such as Slurm can requeue the job, which the
 from __future__ import annotations
 
 import functools
+import json
 import re
 import signal
 import sys
@@ -37,6 +38,7 @@ from batchinfer.job.row_sampling import RowSampling
 from batchinfer.job.templates import RowTemplates
 from batchinfer.job.rangeset import RangeSet
 from batchinfer.job.reader import Source, open_input
+from batchinfer.job.retry import can_retry, invalid_reason, retry_params
 from batchinfer.job.schema import schema_from_json, schema_to_json, storable
 from batchinfer.job.shard import check_layout
 from batchinfer.job.signals import StopSignals
@@ -45,6 +47,8 @@ from batchinfer.job.writer import PartWriter, error_rows, output_schema, sample_
 from batchinfer.outputs import RequestOutput
 from batchinfer.reasoning import END_TAG, ReasoningParser
 from batchinfer.sampling_params import SamplingParams
+from batchinfer.tool_parsers import ToolParser, call_id
+
 
 class Engine(Protocol):
     """What the job needs of an engine: LLMEngine (batchinfer/engine/engine.py), or a
@@ -55,7 +59,8 @@ class Engine(Protocol):
 
     def render_chat_text(self, messages: list[dict], add_generation_prompt: bool = True, *,
                          chat_template: str | None = None,
-                         chat_template_kwargs: dict | None = None) -> str: ...
+                         chat_template_kwargs: dict | None = None,
+                         tools: list[dict] | None = None) -> str: ...
 
     def encode_prompts(self, texts: list[str],
                        add_special_tokens: bool = True) -> list[list[int]]: ...
@@ -151,13 +156,28 @@ def plan_job(options: JobOptions, source: Source, outdir: OutputDir) -> _Plan:
         schema = output_schema(input_schema, spec, options.save_token_ids,
                                options.logprobs is not None or spec.mode == "openai",
                                options.prompt_logprobs is not None or spec.mode == "openai",
-                               options.reasoning_parser is not None, options.keep_prompt)
+                               options.reasoning_parser is not None, options.keep_prompt,
+                               # an OpenAI line's tool_choice may name a function
+                               options.tool_call_parser is not None or spec.mode == "openai")
         manifest = Manifest(fingerprint(job), job, spec.as_dict(), schema_to_json(input_schema),
                             sorted(json_columns), schema_to_json(schema), inspection.num_rows)
         plan = _Plan(spec, input_schema, json_columns, manifest, fresh=True)
     plan.templates, plan.sampling = row_settings(options, plan.input_schema.names,
                                                  options.system_prompt_text(),
                                                  plan.json_columns)
+    plain = ("the prompts --prompt-template renders"
+             if plan.spec.mode == "template" and options.prompt_template is not None
+             else f"the prompts of column {plan.spec.column!r}"
+             if plan.spec.mode == "prompt" else None)
+    if options.tools is not None and plain is not None and options.system_prompt is None:
+        raise JobError(f"--tools: {plain} are sent as they are, not through the chat "
+                       "template; give a messages column or --messages-template, or "
+                       "--system-prompt to make each prompt a chat")
+    if options.tool_call_parser is not None and options.tools is None \
+            and plan.spec.mode != "openai":
+        raise JobError(f"--tool-call-parser {options.tool_call_parser} needs --tools (or "
+                       "OpenAI Batch lines with tools): the calls are parsed where the chat "
+                       "template was given tools")
     if options.output_format == "openai" and plan.spec.mode != "openai":
         raise JobError("--output-format openai needs OpenAI Batch input (lines with "
                        "custom_id and body)")
@@ -300,7 +320,8 @@ def make_builder(options: JobOptions, plan: _Plan, engine: Engine) -> PromptBuil
         plan.spec, options.sampling_params(), options.system_prompt_text(),
         functools.partial(engine.render_chat_text, chat_template=options.chat_template_text()),
         engine.encode_prompts, options.template_kwargs(), options.max_n,
-        templates=plan.templates, sampling=plan.sampling, keep_prompt=options.keep_prompt)
+        templates=plan.templates, sampling=plan.sampling, keep_prompt=options.keep_prompt,
+        tools=options.tools_value())
 
 
 def start_engine(options: JobOptions, engine_factory: EngineFactory) -> Engine:
@@ -320,6 +341,15 @@ def start_engine(options: JobOptions, engine_factory: EngineFactory) -> Engine:
         raise Stopped(str(e), e.signum) from None
 
 
+@dataclass(slots=True)
+class _Attempt:
+    """A request in the engine: a row's first attempt (all its samples), or one sample's
+    attempt `number` > 1."""
+    item: WorkItem
+    sample: int | None
+    number: int
+
+
 class _Loop:
     """Reads rows into the reorder window, keeps the engine fed, records what finishes."""
 
@@ -327,6 +357,9 @@ class _Loop:
                  done: RangeSet, engine: Engine, metrics: JobMetrics, progress: Progress,
                  reasoning_parser: ReasoningParser | None = None):
         self.options = options
+        self.tool_calls = "tool_calls" in writer.schema.names
+        self.tool_parser = (ToolParser(options.tool_call_parser)
+                            if options.tool_call_parser is not None else None)
         self.writer = writer
         self.logprobs = "logprobs" in writer.schema.names
         self.prompt_logprobs = "prompt_logprobs" in writer.schema.names
@@ -342,7 +375,9 @@ class _Loop:
         self.batches = source.batches(plan.input_schema, plan.json_columns, done, options.limit,
                                       options.shard())
         self.exhausted = False
-        self.inflight: dict[str, WorkItem] = {}
+        self.inflight: dict[str, _Attempt] = {}
+        self.samples: dict[int, list[dict[str, Any]]] = {}  # a row's latest samples
+        self.retrying: dict[int, int] = {}  # a row's samples asked for again, in flight
         self.finished: list[list[dict[str, Any]]] = []  # output rows of rows just finished
 
     def run(self, stop: StopSignals) -> bool:
@@ -392,29 +427,92 @@ class _Loop:
         is asked for (adding a request may build its regex's automaton)."""
         while len(self.window) and len(self.inflight) < self.target and not stop.requested:
             item = self.window.pop()
-            request_id = str(item.row.index)
-            params = item.params
-            if params.prompt_logprobs is not None and not self.prompt_logprobs:
-                # an OpenAI line's ask, in a job whose output predates the columns
-                params = params.clone(prompt_logprobs=None)
-            if self.reasoning_parser is None:  # (an engine may not take the argument)
-                self.engine.add_request(request_id, item.prompt.tolist(), params)
-            else:
-                self.engine.add_request(request_id, item.prompt.tolist(), params,
-                                        reasoning_parser=self.reasoning_parser)
-            self.inflight[request_id] = item
+            self.add(str(item.row.index), _Attempt(item, None, 1), item.params)
+
+    def add(self, request_id: str, attempt: _Attempt, params: SamplingParams) -> None:
+        item = attempt.item
+        if params.prompt_logprobs is not None and not self.prompt_logprobs:
+            # an OpenAI line's ask, in a job whose output predates the columns
+            params = params.clone(prompt_logprobs=None)
+        if item.with_tools and self.tool_parser is not None \
+                and not self.tool_parser.skip_special_tokens:
+            params = params.clone(skip_special_tokens=False)
+        if self.reasoning_parser is None:  # (an engine may not take the argument)
+            self.engine.add_request(request_id, item.prompt.tolist(), params)
+        else:
+            self.engine.add_request(request_id, item.prompt.tolist(), params,
+                                    reasoning_parser=self.reasoning_parser)
+        self.inflight[request_id] = attempt
 
     def step(self) -> None:
         for output in self.engine.step():
-            item = self.inflight.pop(output.request_id)
-            self.record(item, sample_rows(item, output, self.options.save_token_ids,
-                                          self.logprobs, self.prompt_logprobs,
-                                          self.reasoning))
+            attempt = self.inflight.pop(output.request_id)
+            item = attempt.item
+            rows = sample_rows(item, output, self.options.save_token_ids, self.logprobs,
+                               self.prompt_logprobs, self.reasoning)
+            index = item.row.index
+            if attempt.sample is None:
+                self.samples[index] = rows
+            else:  # one sample again: it takes its place among the row's samples
+                row = rows[0]
+                row.update(sample_index=attempt.sample, attempts=attempt.number)
+                self.samples[index] = [row if r["sample_index"] == attempt.sample else r
+                                       for r in self.samples[index]]
+                self.retrying[index] -= 1
+                rows = [row]
+            for row in rows:
+                self.validate(item, row, attempt.number)
+            if not self.retrying.get(index):
+                self.retrying.pop(index, None)
+                self.record(item, self.samples.pop(index))
         self.metrics.observe_engine(self.engine.stats())
 
+    def validate(self, item: WorkItem, row: dict[str, Any], number: int) -> None:
+        """With --max-attempts above 1, check a sample against its row's constraint: an
+        invalid one is asked for again (until --max-attempts), or keeps its output with the
+        reason as its error."""
+        constraint = item.params.structured_outputs
+        if self.options.max_attempts == 1 or constraint is None \
+                or row["finish_reason"] == "error":
+            return
+        reason = invalid_reason(row["completion"], row["finish_reason"], constraint)
+        if reason is None:
+            return
+        if number >= self.options.max_attempts or not can_retry(item.params):
+            row["error"] = reason
+            return
+        sample = row["sample_index"]
+        index = item.row.index
+        self.add(f"{index}:{sample}:{number + 1}", _Attempt(item, sample, number + 1),
+                 retry_params(item.params, item.row_id, sample, number + 1))
+        self.retrying[index] = self.retrying.get(index, 0) + 1
+
     def record(self, item: WorkItem, rows: list[dict[str, Any]]) -> None:
+        """A row's final output rows: committed with the next part, never before."""
+        if self.tool_calls:
+            for row in rows:
+                self.parse_tool_calls(item, row)
         self.writer.add(item.row.index, rows)
         self.finished.append(rows)
+
+    def parse_tool_calls(self, item: WorkItem, row: dict[str, Any]) -> None:
+        """The row's tool calls: those --tool-call-parser finds where the template was given
+        tools, or the one call a line's tool_choice named (its output is the arguments); a
+        malformed call leaves the text in the completion."""
+        if row["finish_reason"] == "error":
+            row["tool_calls"] = None
+            return
+        found: list[dict[str, str]] = []
+        text = row["completion"]
+        if item.forced_tool is not None:
+            if _is_json_object(text):
+                row["completion"], found = "", [{"name": item.forced_tool, "arguments": text}]
+        elif item.with_tools and self.tool_parser is not None and text is not None:
+            row["completion"], found = self.tool_parser.parse(text)
+        row["tool_calls"] = [{"id": call_id(self.options.tool_call_parser, item.row_id,
+                                            row["sample_index"], i),
+                              "type": "function", "function": call}
+                             for i, call in enumerate(found)]
 
     def report(self) -> None:
         """Metrics and progress, once per step for all rows that finished in it."""
@@ -458,6 +556,13 @@ def _finish(options: JobOptions, outdir: OutputDir, manifest: Manifest, complete
     if options.output_format == "openai":
         print(f"batchinfer: OpenAI Batch output in {outdir.openai_path}", file=out)
     return JobResult(0, summary, outdir.path)
+
+
+def _is_json_object(text: str | None) -> bool:
+    try:
+        return isinstance(json.loads(text or ""), dict)
+    except (json.JSONDecodeError, RecursionError):
+        return False
 
 
 # the share of completions that may end by length, with no --max-tokens, before a warning

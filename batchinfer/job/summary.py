@@ -19,6 +19,7 @@ QUANTILES = (0.5, 0.9, 0.99)
 
 
 def _aggregate(paths: list[Path]) -> dict[str, Any]:
+    dataset = ds.dataset([str(p) for p in paths], format="parquet")
     first = pc.field("sample_index") == 0
     failed = pc.field("finish_reason") == "error"
     zero = pa.scalar(0, pa.int64())
@@ -33,17 +34,23 @@ def _aggregate(paths: list[Path]) -> dict[str, Any]:
         "preemptions": pc.field("preemptions"),
         **{name: pc.field(name).cast(pa.float64()) for name in LATENCIES},
     }
-    aggregates = [(n, "sum", pc.ScalarAggregateOptions(min_count=0), n)
-                  for n in ("first", "failed", "length", "prompt_tokens", "cached_tokens",
-                            "output_tokens", "preemptions")]
+    columns = ["sample_index", "finish_reason", "prompt_tokens", "cached_tokens",
+               "output_tokens", "preemptions", *LATENCIES]
+    counted = ["first", "failed", "length", "prompt_tokens", "cached_tokens", "output_tokens",
+               "preemptions"]
+    if "attempts" in dataset.schema.names:  # (parts written before the column have none)
+        columns += ["attempts", "error"]
+        exprs["retried"] = pc.if_else(pc.field("attempts") > 1, 1, 0).cast(pa.int64())
+        # a completion kept with an error: still invalid after its last attempt
+        exprs["invalid"] = pc.if_else(~failed & pc.is_valid(pc.field("error")), 1,
+                                      0).cast(pa.int64())
+        counted += ["retried", "invalid"]
+    aggregates = [(n, "sum", pc.ScalarAggregateOptions(min_count=0), n) for n in counted]
     aggregates.append(("output_tokens", "count", pc.CountOptions(mode="all"), "samples"))
     aggregates += [(n, "tdigest", pc.TDigestOptions(q=list(QUANTILES), delta=1000), n + "_q")
                    for n in LATENCIES]
-    dataset = ds.dataset([str(p) for p in paths], format="parquet")
     plan = acero.Declaration.from_sequence([
-        acero.Declaration("scan", acero.ScanNodeOptions(dataset, columns=[
-            "sample_index", "finish_reason", "prompt_tokens", "cached_tokens", "output_tokens",
-            "preemptions", *LATENCIES])),
+        acero.Declaration("scan", acero.ScanNodeOptions(dataset, columns=columns)),
         acero.Declaration("project", acero.ProjectNodeOptions(list(exprs.values()),
                                                                list(exprs))),
         acero.Declaration("aggregate", acero.AggregateNodeOptions(aggregates)),
@@ -74,6 +81,8 @@ def compute_summary(paths: list[Path], wall_s: float) -> dict[str, Any]:
         "total_tokens_per_s": per_s(prompt + output),
         "prefix_cache_hit_rate": round(cached / prompt, 4) if prompt else 0.0,
         "preemptions": agg.get("preemptions") or 0,
+        "retried": agg.get("retried") or 0,
+        "invalid": agg.get("invalid") or 0,
     }
     for name in LATENCIES:
         values = agg.get(name + "_q") or [None] * len(QUANTILES)

@@ -27,6 +27,7 @@ STAT_FIELDS = [
     pa.field("tpot_s", pa.float64()),
     pa.field("e2e_s", pa.float64()),
     pa.field("preemptions", pa.int64()),
+    pa.field("attempts", pa.int32()),
     pa.field("error", pa.string()),
 ]
 TOKEN_ID_FIELDS = [pa.field("prompt_token_ids", pa.list_(pa.int32())),
@@ -40,15 +41,23 @@ PROMPT_LOGPROB_FIELDS = [pa.field("prompt_logprob_sum", pa.float64()),
                          pa.field("prompt_logprobs", pa.list_(pa.list_(LOGPROB_ENTRY)))]
 REASONING_FIELD = pa.field("reasoning", pa.string())  # with --reasoning-parser
 PROMPT_FIELD = pa.field("prompt", pa.string())  # with --keep-prompt: the text tokenized
+# with --tool-call-parser: the calls found in the completion, as OpenAI writes them
+TOOL_CALL = pa.struct([("id", pa.string()), ("type", pa.string()),
+                       ("function", pa.struct([("name", pa.string()),
+                                               ("arguments", pa.string())]))])
+TOOL_CALLS_FIELD = pa.field("tool_calls", pa.list_(TOOL_CALL))
 FLAT_COLUMNS = ("logprobs", "prompt_logprobs")  # rows may hold FlatLogprobs (to_table)
 
 
 def output_schema(input_schema: pa.Schema, spec: PromptSpec, save_token_ids: bool,
                   logprobs: bool, prompt_logprobs: bool = False,
-                  reasoning: bool = False, keep_prompt: bool = False) -> pa.Schema:
+                  reasoning: bool = False, keep_prompt: bool = False,
+                  tool_calls: bool = False) -> pa.Schema:
     """Every input column unchanged, then `id` (and `prompt` where asked), the per-sample
-    stats (with `reasoning` after `completion` where asked) and optional lists."""
-    stats = STAT_FIELDS[:2] + [REASONING_FIELD] + STAT_FIELDS[2:] if reasoning else STAT_FIELDS
+    stats (with `reasoning` and `tool_calls` after `completion` where asked) and optional
+    lists."""
+    stats = (STAT_FIELDS[:2] + [REASONING_FIELD] * reasoning + [TOOL_CALLS_FIELD] * tool_calls
+             + STAT_FIELDS[2:])
     added = [pa.field("id", _id_type(input_schema, spec)),
              *([PROMPT_FIELD] if keep_prompt else []), *stats]
     if save_token_ids:
@@ -83,7 +92,7 @@ def error_rows(item: WorkItem) -> list[dict[str, Any]]:
     """The one row of an input row that never reached the engine."""
     return [{**item.row.values, "id": item.row_id, **_kept_prompt(item),
              "sample_index": 0, "completion": None,
-             "output_tokens": 0, "finish_reason": "error", "preemptions": 0,
+             "output_tokens": 0, "finish_reason": "error", "preemptions": 0, "attempts": 0,
              "error": item.error}]
 
 
@@ -99,7 +108,7 @@ def sample_rows(item: WorkItem, out: RequestOutput, save_token_ids: bool,
     prompt_tokens = len(out.prompt_token_ids) or None
     if out.error is not None:
         row = error_rows(WorkItem(item.row, item.row_id, error=out.error, text=item.text))[0]
-        row["prompt_tokens"] = prompt_tokens
+        row.update(prompt_tokens=prompt_tokens, attempts=1)
         return [row]
     rows = []
     for c in out.outputs:
@@ -109,7 +118,7 @@ def sample_rows(item: WorkItem, out: RequestOutput, save_token_ids: bool,
                "completion": c.text, "prompt_tokens": prompt_tokens,
                "cached_tokens": out.num_cached_tokens, "output_tokens": len(c.token_ids),
                "finish_reason": c.finish_reason, "preemptions": m.num_preemptions if m else 0,
-               "error": None}
+               "attempts": 1, "error": None}
         if m is not None:
             row.update(queue_s=m.queue_s, ttft_s=m.ttft_s, tpot_s=m.tpot_s(len(c.token_ids)),
                        e2e_s=m.e2e_s)

@@ -275,3 +275,59 @@ def test_a_gguf_with_rope_freqs_runs_them(tmp_path, smollm2_dir, smollm2):
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     assert scaled.generate(prompt, params)[0].outputs[0].token_ids != \
         smollm2.generate(prompt, params)[0].outputs[0].token_ids
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+
+
+@pytest.mark.slow
+def test_a_tools_job_on_the_gguf_template(tmp_path, smollm2_dir):
+    """SmolLM2's GGUF chat template describes no tools: with --tools the prompt is what
+    transformers renders with them; a tool result is one more message; an assistant
+    message that is only a tool call fails its row alone (the template reads its content);
+    a call the model writes in Hermes' format (under a regex) becomes the tool_calls column."""
+    import pyarrow.dataset as ds
+    from transformers import AutoTokenizer
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    chats = [
+        [{"role": "user", "content": "What is the weather in Paris?"}],
+        [{"role": "user", "content": "What is the weather in Paris?"},
+         {"role": "assistant", "content": "Let me check.", "tool_calls": [call]},
+         {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+         {"role": "user", "content": "Is that warm?"}],
+        [{"role": "user", "content": "What is the weather in Paris?"},
+         {"role": "assistant", "content": None, "tool_calls": [call]}],
+    ]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"id": i, "messages": c}) + "\n"
+                                               for i, c in enumerate(chats)))
+    (tmp_path / "tools.json").write_text(json.dumps(TOOLS))
+    regex = (r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,8}"\}\}'
+             r'</tool_call>')
+    result = _run_job(tmp_path, smollm2_dir / MODEL_FILE,
+                      "--tools", f"@{tmp_path / 'tools.json'}",
+                      "--tool-call-parser", "hermes", "--regex", regex, "--max-tokens", "96",
+                      "--temperature", "0", "--save-token-ids", "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    rows = {r["id"]: r for r in ds.dataset(str(tmp_path / "out")).to_table().to_pylist()}
+    theirs = AutoTokenizer.from_pretrained(smollm2_dir, gguf_file=MODEL_FILE)
+    for i in (0, 1):
+        messages = [{k: v for k, v in m.items() if v is not None} for m in chats[i]]
+        for m in messages:
+            m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": json.loads(
+                c["function"]["arguments"])}} for c in m.get("tool_calls", [])] or None
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        expected = theirs.apply_chat_template(messages, tools=TOOLS, tokenize=False,
+                                              add_generation_prompt=True)
+        assert rows[i]["prompt_token_ids"] == theirs(expected, add_special_tokens=False)[
+            "input_ids"]
+        assert rows[i]["finish_reason"] == "stop" and rows[i]["completion"] == "", rows[i]
+        [parsed] = rows[i]["tool_calls"]
+        assert parsed["function"]["name"] == "get_weather"
+        assert json.loads(parsed["function"]["arguments"])["city"][0].isupper()
+    assert "<|im_start|>tool\n{\"temperature\": 21}<|im_end|>" in theirs.decode(
+        rows[1]["prompt_token_ids"])
+    assert rows[2]["finish_reason"] == "error" and "chat template" in rows[2]["error"]

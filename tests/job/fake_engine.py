@@ -111,14 +111,55 @@ class FakeEngine:
 
     def render_chat_text(self, messages: list[dict], add_generation_prompt: bool = True, *,
                          chat_template: str | None = None,
-                         chat_template_kwargs: dict | None = None) -> str:
+                         chat_template_kwargs: dict | None = None,
+                         tools: list[dict] | None = None) -> str:
+        """The messages as <role>content, after <tools>[names] when tools are given; an
+        assistant's tool calls as <call>name."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
         for m in messages:
-            if not (isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            content_ok = isinstance(m.get("content"), str) or (
+                m.get("content") is None and m.get("tool_calls"))
+            if not (isinstance(m.get("role"), str) and content_ok):
                 raise ValueError("each message must be a dict with string 'role' and 'content'")
-        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        text = "" if tools is None else f"<tools>{[t['function']['name'] for t in tools]}"
+        text += "".join(f"<{m['role']}>{m.get('content') or ''}"
+                        + "".join(f"<call>{c['function']['name']}"
+                                  for c in m.get("tool_calls") or ()) for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
 
     def encode_prompts(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         return [self.tokenizer.encode(t) for t in texts]
+
+
+class SeededEngine(FakeEngine):
+    """A FakeEngine whose completions depend on each sample's seed, so that a sample asked
+    for again with another seed can come out differently. A prompt holding "|replies:"
+    lists the completions, separated by "|": a sample without a seed gets the first, a
+    seeded one the one its seed picks among the others (seed % (count - 1)). Every sample
+    ends with "stop"; the samples of a request take seed, seed + 1, ... as the engine's."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.seeds: dict[str, int | None] = {}
+
+    def step(self) -> list[RequestOutput]:
+        outputs = super().step()
+        for output in outputs:
+            seed = self.seeds.pop(output.request_id)
+            if output.error is not None:
+                continue
+            text = bytes(output.prompt_token_ids).decode("utf-8", "replace")
+            if "|replies:" not in text:
+                continue
+            replies = text.split("|replies:", 1)[1].removesuffix("<assistant>").split("|")
+            for c in output.outputs:
+                pick = 0 if seed is None else 1 + (seed + c.index) % (len(replies) - 1)
+                c.text, c.finish_reason = replies[pick], "stop"
+                c.token_ids = self.tokenizer.encode(c.text)
+        return outputs
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None, **kwargs: Any) -> None:
+        self.seeds[request_id] = params.seed
+        super().add_request(request_id, prompt, params, arrival_time, **kwargs)

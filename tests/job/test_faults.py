@@ -126,11 +126,11 @@ def test_a_full_disk_is_one_line_naming_the_cause(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["commit", "merge", "shard"])
+@pytest.mark.parametrize("mode", ["commit", "merge", "shard", "retry"])
 def test_a_kill_at_any_step_keeps_every_row_exactly_once(tmp_path, mode):
-    """SIGKILL at each file operation of a job's commits, of a merge, and of a shard's
-    run, in turn: readers never see a row twice, and the restart ends with every row
-    exactly once."""
+    """SIGKILL at each file operation of a job's commits, of a merge, of a shard's run,
+    and of a job whose rows take several attempts, in turn: readers never see a row twice,
+    and the restart ends with every row exactly once."""
     proc = subprocess.run([sys.executable, str(HERE / "kill_sweep.py"), str(tmp_path), mode],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
