@@ -5,13 +5,13 @@
     python scripts/compare_structured_libraries.py --suite DIR --tokenizer smollm2-135m
     python scripts/compare_structured_libraries.py --suite DIR --tokenizer qwen3-30b-a3b
 
---suite: the JSON-Schema-Test-Suite's tests/draft2020-12 folder (in the jsonschema
-sdist: json/tests/draft2020-12). --tokenizer: a tokenizer directory or a named shape
+--suite: the JSON-Schema-Test-Suite's draft2020-12 folder (scripts/structured_suite.py
+fetches it). --tokenizer: a tokenizer directory or a named shape
 (batchinfer.bench.models). For each library: the share of the suite's schemas it
 compiles, of the suite's valid instances it accepts and of its invalid ones it rejects
 (the instance written compactly, as its tokens), the compile time, the mask time per token
 over the bench's realistic schemas, and what each hostile constraint costs (run in a child
-process with a 30 s limit).
+process with a 300 s limit).
 """
 from __future__ import annotations
 
@@ -23,10 +23,15 @@ import statistics
 import time
 from pathlib import Path
 
+import sys
+
 import torch
 
 from batchinfer.bench.models import resolve_model
-from batchinfer.bench.structured import HOSTILE, REALISTIC, suite_schemas
+from batchinfer.bench.structured import HOSTILE, REALISTIC
+
+sys.path.insert(0, str(Path(__file__).parent))
+from structured_suite import load_suite  # noqa: E402
 
 
 class Guidance:
@@ -41,8 +46,9 @@ class Guidance:
 
     def compile(self, schema, regex: bool = False):
         m = self.ll.LLMatcher
-        grammar = (m.grammar_from_regex(schema) if regex else
-                   m.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False}))
+        grammar = (m.grammar_from_regex(schema) if regex else m.grammar_from_json_schema(
+            schema, defaults={"whitespace_flexible": False, "item_separator": ",",
+                              "key_separator": ":"}))
         matcher = m(self.tok, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(matcher.get_error())
@@ -78,21 +84,18 @@ class XGrammar:
         self.xgr = xgrammar
         info = xgrammar.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size)
         self.compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self.eos = info.stop_token_ids[0]
         self.vocab_size = vocab_size
 
     def compile(self, schema, regex: bool = False):
         if regex:
             return self.compiler.compile_regex(schema)
-        return self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
+        return self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False,
+                                                 separators=(",", ":"))
 
     def accepts(self, compiled, ids: list[int]) -> bool:
         matcher = self.xgr.GrammarMatcher(compiled)
-        return all(matcher.accept_token(t) for t in ids) and matcher.is_terminated() is False \
-            and matcher.accept_token(self._eos(matcher))
-
-    @staticmethod
-    def _eos(matcher) -> int:
-        return matcher.stop_token_ids[0]
+        return all(matcher.accept_token(t) for t in ids) and matcher.accept_token(self.eos)
 
     def walk(self, compiled, ids: list[int]) -> float:
         matcher = self.xgr.GrammarMatcher(compiled)
@@ -142,7 +145,7 @@ def main() -> None:
     path = resolve_model(args.tokenizer, load_format="dummy").path
     tok = AutoTokenizer.from_pretrained(path)
     vocab = len(tok)
-    schemas = suite_schemas(args.suite)
+    schemas = load_suite(args.suite)
     print(f"tokenizer {args.tokenizer}: {vocab} tokens; {len(schemas)} schemas in the suite")
     for name in args.libraries.split(","):
         start = time.perf_counter()
@@ -188,7 +191,11 @@ def main() -> None:
                 print(f"  {key:<20} refused: {str(e)[:80]}")
                 continue
             built = time.perf_counter() - start
-            seconds = lib.walk(grammar, ids)
+            try:
+                seconds = lib.walk(grammar, ids)
+            except RuntimeError as e:
+                print(f"  {key:<20} compile {built * 1e3:8.1f} ms; its instance refused ({e})")
+                continue
             print(f"  {key:<20} compile {built * 1e3:8.1f} ms, mask {seconds * 1e6 / (len(ids) + 1):8.1f} "
                   f"us/token over {len(ids) + 1} tokens")
         ctx = multiprocessing.get_context("spawn")
@@ -196,10 +203,10 @@ def main() -> None:
             queue = ctx.Queue()
             child = ctx.Process(target=_hostile_child, args=(name, path, constraint, queue))
             child.start()
-            child.join(30)
+            child.join(300)
             if child.is_alive():
                 child.kill()
-                print(f"  hostile {key}: still running after 30 s")
+                print(f"  hostile {key}: still running after 300 s")
                 continue
             outcome, seconds, mb = queue.get() if not queue.empty() else ("crashed", 0, 0)
             print(f"  hostile {key}: {outcome} in {seconds * 1e3:.0f} ms, +{mb:.0f} MB peak RSS")

@@ -178,6 +178,37 @@ def random_walk(compiler, constraint: str | dict, steps: int,
     return spent, steps, None
 
 
+CHOICES = {"choice-3": ["positive", "negative", "neutral"],
+           "choice-200": [f"category {i}: {'abcdefghij'[i % 10]}" for i in range(200)]}
+
+
+def choice_costs(compiler, labels: list[str], repeat: int = 20) -> tuple[float, float]:
+    """(trie, llguidance) seconds a mask of generating the last label, as the engine does
+    each: the trie over the labels' token ids, and llguidance over the labels as a Lark
+    alternation."""
+    import numpy as np
+
+    from batchinfer.structured.choice import ChoiceTrie
+    from batchinfer.structured.grammar import GrammarMatcher
+    encode = compiler.hf_tokenizer.encode
+    ids = [encode(label, add_special_tokens=False) for label in labels]
+    lark = "start: " + " | ".join(json.dumps(label) for label in labels)
+    start = compiler.compile(StructuredOutputsParams(grammar=lark).grammar_text())
+    row = np.empty(-(-compiler.vocab_size // 32), dtype=np.int32)
+    eos = frozenset(compiler.eos_token_ids)
+    times = []
+    for make in (lambda: ChoiceTrie(ids), lambda: GrammarMatcher(start)):
+        spent = 0.0
+        for _ in range(repeat):
+            structure = make()
+            for i in range(len(ids[-1]) + 1):
+                begin = time.perf_counter()
+                structure.fill(ids[-1][:i], eos, row)
+                spent += time.perf_counter() - begin
+        times.append(spent / (repeat * (len(ids[-1]) + 1)))
+    return times[0], times[1]
+
+
 def measure(schema: Any, instance: Any, compiler=None) -> Cost:
     check_s, peak = check_cost(schema)
     if compiler is None:
@@ -241,6 +272,11 @@ def main(tokenizer: str | None) -> None:
                    f"{compiled:>8} {tokens:>7} {per_token:>14}")
     click.echo("(check and compile in ms; with --tokenizer, the mask before each of the "
                "instance's tokens)")
+    if compiler is not None:
+        for name, labels in CHOICES.items():
+            trie, guidance = choice_costs(compiler, labels)
+            click.echo(f"{name}: a mask {trie * 1e6:.1f} us with the trie, "
+                       f"{guidance * 1e6:.1f} us with llguidance")
     for name, constraint in HOSTILE.items():
         seconds, reason = refusal(constraint)
         line = f"{name}: {'refused' if reason else 'checked'} in {seconds * 1e3:.1f} ms"

@@ -111,7 +111,10 @@ def grammar_text(kind: str, spec) -> str:
     or a grammar (Lark, or GBNF/EBNF with `::=`), checked by llguidance within LIMITS;
     ValueError with llguidance's reason otherwise."""
     if kind == "json":
-        value = listed_properties_only(schema_value(spec))
+        value = schema_value(spec)
+        if value is False:
+            raise ValueError("json schema false: no value is an instance of it")
+        value = listed_properties_only({} if value is True else value)
         return _checked("json", json.dumps(value))
     if not isinstance(spec, str):
         raise ValueError(f"{kind} must be a string, got {type(spec).__name__}")
