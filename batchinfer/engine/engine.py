@@ -189,9 +189,9 @@ class LLMEngine:
                              f"{self.max_model_len - 1}, or -1)")
         so = params.structured_outputs
         if self.config.pipeline_parallel_size > 1 and so is not None and so.choice is None:
-            raise ValueError("regex, JSON-schema and grammar outputs are not supported with "
-                             "pipeline_parallel_size > 1 yet (choice outputs are); use "
-                             "tensor parallelism alone")
+            raise ValueError("regex and JSON-schema outputs are not supported with "
+                             "pipeline_parallel_size > 1 yet, nor JSON-object and grammar ones "
+                             "(choice outputs are); use tensor parallelism alone")
         vocab = self.model_config.vocab_size
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)

@@ -290,10 +290,11 @@ class JobOptions:
                 text = path.read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as e:
                 raise JobError(f"--json-schema {self.json_schema}: cannot read {path}: {e}")
+        from batchinfer.structured.grammar import schema_value
         try:
-            return json.loads(text)
-        except json.JSONDecodeError as e:
-            raise JobError(f"--json-schema: not valid JSON ({e})") from None
+            return schema_value(text)  # (its nesting checked before json.loads reads it)
+        except ValueError as e:
+            raise JobError(re.sub(r"^json schema:? ?", "--json-schema: ", str(e))) from None
 
     def chat_template_text(self) -> str | None:
         """The Jinja template in the --chat-template file."""

@@ -72,9 +72,10 @@ def schema_value(schema):
         try:
             schema = json.loads(schema)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"json schema is not valid JSON ({e})") from None
+            raise ValueError(f"json schema: not valid JSON ({e})") from None
     if not isinstance(schema, (dict, bool)):
-        raise ValueError(f"json schema must be an object or a boolean, got {type(schema).__name__}")
+        raise ValueError(f"json schema: must be an object or a boolean, got "
+                         f"{type(schema).__name__}")
     check_json_depth(schema)
     return schema
 
