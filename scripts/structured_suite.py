@@ -122,7 +122,7 @@ def generate_all(model: str, compiled: list, max_tokens: int) -> list[tuple[str,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--suite", type=Path, default=None)
-    ap.add_argument("--cache", type=Path, default=Path(".pytest_cache/d/jsonschema-suite"))
+    ap.add_argument("--cache", type=Path, default=Path(".pytest_cache/d/jsonschema-sdist"))
     ap.add_argument("--model", default=None)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--limit", type=int, default=None, help="the first N schemas only")
