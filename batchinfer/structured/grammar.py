@@ -15,14 +15,12 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 # llguidance's bounds on one grammar (llguidance.LLParserLimits): its size, the work to
 # build its lexer, and per token the lexer's and the parser's work (about 14 and 20 units
 # a microsecond: a mask costs at most a few tens of milliseconds) and the lexer states kept
-# (1-2 kB each)
+# (1-2 kB each: at most about 40 MB a grammar)
 LIMITS = dict(max_grammar_size=500_000, initial_lexer_fuel=1_000_000,
-              step_lexer_fuel=200_000, step_max_items=50_000, max_lexer_states=50_000)
+              step_lexer_fuel=200_000, step_max_items=50_000, max_lexer_states=20_000)
 MAX_SPEC_CHARS = 1_000_000  # a regex, schema (as JSON text) or grammar
 MAX_JSON_DEPTH = 64  # a schema's JSON nesting
-MAX_COMPILED = 64  # distinct grammars an engine keeps compiled
-
-KINDS = ("regex", "json", "grammar")
+MAX_COMPILED = 16  # distinct grammars an engine keeps compiled (with their lexers)
 
 
 def _limits():
@@ -30,7 +28,7 @@ def _limits():
     return llguidance.LLParserLimits(**LIMITS)
 
 
-def _first_line(message: str) -> str:
+def _one_line(message: str) -> str:
     """llguidance's message on one line: its first, and the regex parser's `error:` line
     where it has one."""
     lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
@@ -126,9 +124,10 @@ def grammar_text(kind: str, spec) -> str:
     return _checked(kind, spec)
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=16)
 def _checked(kind: str, text: str) -> str:
-    """(A job's rows share their constraint: each is checked once.)"""
+    """(A job's rows share their constraint: each is checked once; at most 16 kept, 1 MB
+    of text or so each.)"""
     from llguidance import LLMatcher
     if kind == "regex":
         grammar = LLMatcher.grammar_from_regex(text)
@@ -136,17 +135,17 @@ def _checked(kind: str, text: str) -> str:
         try:
             grammar = LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
         except ValueError as e:
-            raise ValueError(f"json schema: {_first_line(str(e))}") from None
+            raise ValueError(f"json schema: {_one_line(str(e))}") from None
     else:
         from llguidance.gbnf_to_lark import any_to_lark
         try:
             grammar = LLMatcher.grammar_from_lark(any_to_lark(text))
         except Exception as e:  # the GBNF converter's own errors  # noqa: BLE001
-            raise ValueError(f"grammar: {_first_line(str(e))}") from None
+            raise ValueError(f"grammar: {_one_line(str(e))}") from None
     error = LLMatcher.validate_grammar(grammar, None, limits=_limits())
     if error:
         what = "json schema" if kind == "json" else kind
-        raise ValueError(f"{what} refused: {_first_line(error)}")
+        raise ValueError(f"{what} refused: {_one_line(error)}")
     return grammar
 
 
@@ -172,7 +171,7 @@ class GrammarCompiler:
                     self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
             except Exception as e:  # noqa: BLE001 - a tokenizer llguidance cannot read
                 raise ValueError(f"structured outputs need a tokenizer llguidance reads: "
-                                 f"{_first_line(str(e))}") from None
+                                 f"{_one_line(str(e))}") from None
         return self._tokenizer
 
     def compile(self, grammar: str):
@@ -185,7 +184,7 @@ class GrammarCompiler:
                 self._compiled.popitem(last=False)
         self._compiled[grammar] = matcher
         if matcher.is_error():
-            raise ValueError(f"structured output refused: {_first_line(matcher.get_error())}")
+            raise ValueError(f"structured output refused: {_one_line(matcher.get_error())}")
         return matcher
 
 
@@ -207,11 +206,11 @@ class GrammarMatcher:
             new = generated[self.consumed:]
             self.consumed = len(generated)
             if new and not m.consume_tokens(new):
-                self.error = _first_line(m.get_error())
+                self.error = _one_line(m.get_error())
             else:
                 m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
                 if m.is_error():
-                    self.error = _first_line(m.get_error())
+                    self.error = _one_line(m.get_error())
         if self.error is not None:
             set_tokens(row, sorted(eos_token_ids))
         return True
