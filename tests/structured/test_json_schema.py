@@ -123,3 +123,18 @@ def test_json_object_completions_are_objects(llm):
             assert sample.text.startswith("{"), sample.text
             if sample.finish_reason == "stop":  # else cut by max_tokens
                 assert isinstance(json.loads(sample.text), dict)
+
+
+def test_a_surrogate_pair_cannot_count_as_two_characters(llm):
+    """Characters are counted as JSON reads them: an escaped surrogate pair is one (and
+    \\u escapes are not written at all: characters go out as themselves)."""
+    compiler = llm.llm_engine.grammars
+    start = compiler.compile(StructuredOutputsParams(
+        json={"type": "string", "minLength": 2}).grammar_text())
+
+    def accepts(text: bytes) -> bool:
+        matcher = start.deep_copy()
+        return matcher.consume_tokens(compiler.tokenizer.tokenize_bytes(text)) \
+            and matcher.is_accepting()
+    assert not accepts(b'"\\ud83d\\ude00"') and not accepts('"😀"'.encode())
+    assert accepts('"😀😀"'.encode()) and accepts('"éé"'.encode())
