@@ -30,7 +30,7 @@ from batchinfer.model.parallel import PipelineParallel, TensorParallel
 from batchinfer.sampling_params import SamplingParams
 from batchinfer.structured.after_reasoning import AfterReasoning
 from batchinfer.structured.choice import ChoiceTrie
-from batchinfer.structured.grammar import GrammarMatcher
+from batchinfer.structured.grammar import GrammarMatcher, MaskExecutor
 
 CPU_DEFAULT_KV_BYTES = 4 << 30
 
@@ -140,6 +140,7 @@ class ModelRunner:
         gen = torch.Generator(device=device).manual_seed(config.seed)
         self.sampler = Sampler(gen)
         self._mask_thread: ThreadPoolExecutor | None = None
+        self._mask_executor = MaskExecutor()
         self._mask_buffer: np.ndarray | None = None
         self.graphs: DecodeGraphs | None = None
         self.num_graph_steps = 0
@@ -408,15 +409,22 @@ class ModelRunner:
 
     def structure_masks(self, states: list[RunnerRequest]) -> torch.Tensor | None:
         """[N, ceil(V / 32)] int32: what each row's structured output allows next, packed
-        (-1 where a row has none, or none yet); None where no row is constrained."""
+        (-1 where a row has none, or none yet), the grammar rows' computed together
+        (MaskExecutor); None where no row is constrained."""
         mask = self._mask_rows(len(states))
         constrained = False
+        pending = []  # (grammar matcher, row) whose masks llguidance computes together
         for i, s in enumerate(states):
-            if s.structure is not None and s.structure.fill(
-                    s.token_ids[s.num_prompt_tokens:], self.eos_token_ids, mask[i]):
-                constrained = True
-            else:
+            filled = False if s.structure is None else s.structure.deferred(
+                s.token_ids[s.num_prompt_tokens:], self.eos_token_ids, mask[i])
+            if filled is False:
                 mask[i] = -1
+                continue
+            constrained = True
+            if filled is not True:
+                pending.append((filled, i))
+        if pending:
+            self._mask_executor.fill_masks(pending, mask, self.eos_token_ids)
         return torch.from_numpy(mask) if constrained else None
 
     def _mask_rows(self, n: int) -> np.ndarray:

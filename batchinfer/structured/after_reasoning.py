@@ -22,10 +22,22 @@ class AfterReasoning:
 
     def fill(self, generated: list[int], eos_token_ids: frozenset[int],
              row: np.ndarray) -> bool:
+        if not self._started(generated):
+            return False
+        return self.inner.fill(generated[self.start:], eos_token_ids, row)
+
+    def deferred(self, generated: list[int], eos_token_ids: frozenset[int], row: np.ndarray):
+        """As the wrapped structure's (grammar.GrammarMatcher.deferred); False before the
+        reasoning ends."""
+        if not self._started(generated):
+            return False
+        return self.inner.deferred(generated[self.start:], eos_token_ids, row)
+
+    def _started(self, generated: list[int]) -> bool:
         if self.start is None:
             try:
                 self.start = generated.index(self.end_token_id, self.scanned) + 1
             except ValueError:
                 self.scanned = len(generated)
                 return False
-        return self.inner.fill(generated[self.start:], eos_token_ids, row)
+        return True

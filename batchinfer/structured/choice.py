@@ -38,3 +38,5 @@ class ChoiceTrie:
         """Writes the allowed tokens into a bitmask row (batchinfer.structured.grammar)."""
         set_tokens(row, self.next_tokens(generated, eos_token_ids))
         return True
+
+    deferred = fill  # (nothing to compute later: grammar.GrammarMatcher.deferred)

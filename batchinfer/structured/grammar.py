@@ -201,19 +201,56 @@ class GrammarMatcher:
 
     def fill(self, generated: list[int], eos_token_ids: frozenset[int],
              row: np.ndarray) -> bool:
-        m = self.matcher
+        if self.deferred(generated, eos_token_ids, row) is self:
+            self.compute(eos_token_ids, row)
+        return True
+
+    def deferred(self, generated: list[int], eos_token_ids: frozenset[int], row: np.ndarray):
+        """fill in two parts, so that a batch's masks are computed together (fill_masks):
+        the new tokens taken, then self where its mask is still to be computed into row,
+        or True where row is filled (the end-of-sequence tokens, past a bound)."""
         if self.error is None:
             new = generated[self.consumed:]
             self.consumed = len(generated)
-            if new and not m.consume_tokens(new):
-                self.error = _one_line(m.get_error())
-            else:
-                m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
-                if m.is_error():
-                    self.error = _one_line(m.get_error())
-        if self.error is not None:
-            set_tokens(row, sorted(eos_token_ids))
+            if not new or self.matcher.consume_tokens(new):
+                return self
+            self.error = _one_line(self.matcher.get_error())
+        set_tokens(row, sorted(eos_token_ids))
         return True
+
+    def compute(self, eos_token_ids: frozenset[int], row: np.ndarray) -> None:
+        self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        self.masked(eos_token_ids, row)
+
+    def masked(self, eos_token_ids: frozenset[int], row: np.ndarray) -> None:
+        """After the mask is computed into row: past a bound, the end-of-sequence tokens."""
+        if self.matcher.is_error():
+            self.error = _one_line(self.matcher.get_error())
+            set_tokens(row, sorted(eos_token_ids))
+
+
+class MaskExecutor:
+    """Computes the masks of a batch's grammar matchers together, on llguidance's threads
+    (LLExecutor: by default 80% of the CPUs, at most 32)."""
+
+    def __init__(self):
+        self._executor = None
+
+    def fill_masks(self, matchers: list[tuple[GrammarMatcher, int]], mask: np.ndarray,
+                   eos_token_ids: frozenset[int]) -> None:
+        """Each (matcher, row): its mask into that row of mask ([N, words] int32, C order)."""
+        if len(matchers) == 1:  # (no threads to hand it to)
+            matcher, i = matchers[0]
+            matcher.compute(eos_token_ids, mask[i])
+            return
+        if self._executor is None:
+            import llguidance
+            self._executor = llguidance.LLExecutor()
+        self._executor.unsafe_compute_mask_ptr([(m.matcher, i) for m, i in matchers],
+                                               mask.ctypes.data, mask.shape[1] * 4,
+                                               mask.shape[0])
+        for matcher, i in matchers:
+            matcher.masked(eos_token_ids, mask[i])
 
 
 def set_tokens(row: np.ndarray, token_ids) -> None:

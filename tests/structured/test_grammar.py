@@ -13,7 +13,7 @@ import pytest
 
 from batchinfer import LLM, SamplingParams, StructuredOutputsParams
 from batchinfer.structured.grammar import (MAX_COMPILED, GrammarCompiler, GrammarMatcher,
-                                           set_tokens)
+                                           MaskExecutor, set_tokens)
 
 PATTERNS = [r"\d+", r"(yes|no)", r"[A-Z][a-z]{2,4}", r"\d{3}-\d{4}", r"(ab|a)*c?", r"[^abc]+",
             r".{1,3}x", r"\w+@\w+\.com", r"(?:foo|bar)+\s?", r"[-+]?\d*\.?\d+", r"é[a-cà]*",
@@ -78,6 +78,32 @@ def test_masks_are_the_tokens_the_matcher_takes(compiler):
             if not taken:
                 break
             generated.append(rng.choice(sorted(taken)))
+
+
+def test_a_batch_of_masks_computed_together_is_each_computed_alone(compiler):
+    """MaskExecutor (llguidance's threads) writes each matcher's row as fill does, rows of
+    matchers past a bound included."""
+    vocab = compiler.vocab_size
+    eos = frozenset(compiler.eos_token_ids)
+    encode = compiler.hf_tokenizer.encode
+    cases = [(r"[0-9]{1,4}-x", "12"), (r"(yes|no)", ""), (r'"[a-z ]{0,20}"', '"ab c'),
+             (r"[A-Z][a-z]{2,4}", "Abc"), (r"(yes|no)", "yes")]
+    together = np.empty((len(cases), -(-vocab // 32)), dtype=np.int32)
+    alone = np.empty_like(together)
+    pending = []
+    for i, (pattern, text) in enumerate(cases):
+        start = compiler.compile(StructuredOutputsParams(regex=pattern).grammar_text())
+        ids = encode(text, add_special_tokens=False)
+        GrammarMatcher(start).fill(ids, eos, alone[i])
+        matcher = GrammarMatcher(start)
+        assert matcher.deferred(ids, eos, together[i]) is matcher
+        pending.append((matcher, i))
+    MaskExecutor().fill_masks(pending, together, eos)
+    assert (together == alone).all()
+    off = GrammarMatcher(compiler.compile(StructuredOutputsParams(regex="ab").grammar_text()))
+    assert off.deferred(encode("zz", add_special_tokens=False), eos, together[0]) is True
+    assert off.error and np.flatnonzero(np.unpackbits(
+        together[0].view(np.uint8), bitorder="little")).tolist() == sorted(eos)
 
 
 def test_set_tokens_packs_bits_as_llguidance_does():
