@@ -258,6 +258,19 @@ def test_choice_and_per_line_constraints(tmp_path, run_cli, reference_llm):
         assert [json.loads(c)["verdict"] in ("yes", "no") for c in completions] \
             == [True] * len(PROMPTS)
 
+    # --grammar @FILE (Lark) and --json-object
+    (tmp_path / "answer.lark").write_text('start: "yes" | "no" | "maybe " DIGIT\nDIGIT: /[0-9]/\n')
+    check_ok(run_cli(tmp_path / "in.jsonl", "-o", tmp_path / "out-grammar", *SAMPLING_FLAGS,
+                     "--max-tokens", "8", "--grammar", f"@{tmp_path / 'answer.lark'}"))
+    completions = read_output(tmp_path / "out-grammar").column("completion").to_pylist()
+    assert all(re.fullmatch("yes|no|maybe [0-9]", c) for c in completions), completions
+    check_ok(run_cli(tmp_path / "in.jsonl", "-o", tmp_path / "out-object", *SAMPLING_FLAGS,
+                     "--max-tokens", "24", "--json-object"))
+    for row in read_output(tmp_path / "out-object").to_pylist():
+        assert row["completion"].startswith("{") and row["error"] is None, row
+        if row["finish_reason"] == "stop":
+            assert isinstance(json.loads(row["completion"]), dict)
+
     # --regex: every completion matches
     check_ok(run_cli(tmp_path / "in.jsonl", "-o", tmp_path / "out3", *SAMPLING_FLAGS,
                      "--max-tokens", "32", "--regex", r"[A-Z]{2}-\d{3}"))
