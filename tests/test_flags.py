@@ -17,7 +17,7 @@ from batchinfer.sampling_params import SamplingParams
 NOT_ENGINE_FLAGS = {"model", "seed"}
 # SamplingParams fields a row sets (OpenAI lines) or the engine fills, not a flag
 NOT_SAMPLING_FLAGS = {"logit_bias", "allowed_token_ids", "structured_outputs",
-                      "choice_token_ids", "regex_guide", "reasoning_end_token_id"}
+                      "choice_token_ids", "compiled_grammar", "reasoning_end_token_id"}
 
 
 def params(command: click.Command) -> dict[str, click.Parameter]:

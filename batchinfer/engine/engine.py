@@ -27,10 +27,7 @@ from batchinfer.model.parallel import PipelineParallel, TensorParallel, stage_la
 from batchinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from batchinfer.reasoning import END_TAG, ReasoningParser
 from batchinfer.sampling_params import SamplingParams
-from batchinfer.structured.regex_guide import RegexGuide, VocabBytes, token_bytes
-
-# distinct regex patterns whose guides (and the DFA states they reached) are kept
-MAX_REGEX_GUIDES = 64
+from batchinfer.structured.grammar import GrammarCompiler
 
 
 class LLMEngine:
@@ -102,8 +99,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.output_processor = OutputProcessor(self.tokenizer, self.kv.share_prompt_logprobs)
         self._failed: list[RequestOutput] = []  # requests refused by add_request
-        self._regex_guides: dict[str, RegexGuide] = {}
-        self._vocab_bytes: VocabBytes | None = None
+        # regexes, JSON schemas and grammars for this tokenizer (rank 0's alone with tensor
+        # parallelism, as is sampling)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                        self.eos_token_ids)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "LLMEngine":
@@ -189,11 +188,10 @@ class LLMEngine:
                              f"max_model_len is {self.max_model_len} (use at most "
                              f"{self.max_model_len - 1}, or -1)")
         so = params.structured_outputs
-        if (self.config.pipeline_parallel_size > 1 and so is not None
-                and (so.regex is not None or so.json is not None)):
+        if self.config.pipeline_parallel_size > 1 and so is not None and so.choice is None:
             raise ValueError("regex and JSON-schema outputs are not supported with "
-                             "pipeline_parallel_size > 1 yet (choice outputs are); use "
-                             "tensor parallelism alone")
+                             "pipeline_parallel_size > 1 yet, nor JSON-object and grammar ones "
+                             "(choice outputs are); use tensor parallelism alone")
         vocab = self.model_config.vocab_size
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
@@ -219,8 +217,9 @@ class LLMEngine:
         space on its own is encoded after a newline instead)."""
         if params.structured_outputs is None:
             return params
-        if params.structured_outputs.choice is None:  # a regex, or a JSON schema's
-            return params.clone(regex_guide=self._regex_guide(params.structured_outputs.pattern()))
+        if params.structured_outputs.choice is None:  # a regex, JSON schema or grammar
+            return params.clone(compiled_grammar=self.grammars.compile(
+                params.structured_outputs.grammar_text()))
         choices = [self._choice_ids(c) for c in params.structured_outputs.choice]
         vocab = self.model_config.vocab_size
         for text, ids in zip(params.structured_outputs.choice, choices):
@@ -244,28 +243,6 @@ class LLMEngine:
             raise ValueError(f"structured outputs after reasoning need {END_TAG} to be one "
                              "token of the tokenizer's vocabulary, and it is not")
         return params.clone(reasoning_end_token_id=parser.end_token_id)
-
-    def _regex_guide(self, pattern: str) -> RegexGuide:
-        """The pattern's guide, kept for the next requests with it (the most recent
-        MAX_REGEX_GUIDES patterns); the vocabulary's bytes are read on first use. A
-        pattern whose automaton passed one of its limits while generating for an earlier
-        request is refused (ValueError naming the limit). With tensor parallelism the
-        guides are rank 0's alone, as is sampling."""
-        guide = self._regex_guides.pop(pattern, None)
-        if guide is None:
-            if self._vocab_bytes is None:
-                pieces = token_bytes(self.tokenizer)
-                vocab = self.model_config.vocab_size
-                pieces = [None if i >= vocab or i in self.eos_token_ids else p
-                          for i, p in enumerate(pieces[:vocab])]
-                self._vocab_bytes = VocabBytes(pieces)
-            guide = RegexGuide(pattern, self._vocab_bytes)
-            if len(self._regex_guides) >= MAX_REGEX_GUIDES:
-                self._regex_guides.pop(next(iter(self._regex_guides)))
-        self._regex_guides[pattern] = guide
-        if guide.error is not None:
-            raise ValueError(guide.error)
-        return guide
 
     def _choice_ids(self, text: str) -> list[int]:
         encode, decode = self.tokenizer.encode, self.tokenizer.decode

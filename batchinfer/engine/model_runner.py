@@ -9,6 +9,7 @@ last stage's first rank samples and shares the step's output with every rank at 
 """
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -29,7 +30,7 @@ from batchinfer.model.parallel import PipelineParallel, TensorParallel
 from batchinfer.sampling_params import SamplingParams
 from batchinfer.structured.after_reasoning import AfterReasoning
 from batchinfer.structured.choice import ChoiceTrie
-from batchinfer.structured.regex_guide import RegexMatcher
+from batchinfer.structured.grammar import GrammarMatcher, MaskExecutor
 
 CPU_DEFAULT_KV_BYTES = 4 << 30
 
@@ -51,13 +52,13 @@ class RunnerRequest:
         self._constraint_tensors = None
 
     @cached_property
-    def structure(self) -> ChoiceTrie | RegexMatcher | AfterReasoning | None:
-        """What may come next in a structured output: a choice's trie or a regex's
+    def structure(self) -> ChoiceTrie | GrammarMatcher | AfterReasoning | None:
+        """What may come next in a structured output: a choice's trie or a grammar's
         matcher (made where the request is sampled), from the end of the reasoning where
         the request has one."""
         p = self.params
         inner = (ChoiceTrie(p.choice_token_ids) if p.choice_token_ids
-                 else RegexMatcher(p.regex_guide) if p.regex_guide is not None
+                 else GrammarMatcher(p.compiled_grammar) if p.compiled_grammar is not None
                  else None)
         if inner is not None and p.reasoning_end_token_id is not None:
             return AfterReasoning(inner, p.reasoning_end_token_id)
@@ -127,6 +128,9 @@ class ModelRunner:
         self.scoring: set[str] = set()  # the requests asking prompt logprobs
         gen = torch.Generator(device=device).manual_seed(config.seed)
         self.sampler = Sampler(gen)
+        self._mask_thread: ThreadPoolExecutor | None = None
+        self._mask_executor = MaskExecutor()
+        self._mask_buffer: np.ndarray | None = None
         self.graphs: DecodeGraphs | None = None
         self.num_graph_steps = 0
         if PipelineParallel.size == 1 and captures_decode_graphs(
@@ -313,6 +317,8 @@ class ModelRunner:
         block_tables = self.block_table[rows, :max_blocks]
         if self.kv_pages is not None:
             self.kv_pages.cover(int(block_tables.max()))
+        # the structured outputs' masks, computed on a thread while the model runs
+        masks = self._masks_ahead(states, starts, num_new) if self.samples else None
         graphs = self.graphs
         if graphs is not None and len(decodes) == len(order) <= graphs.max_size:
             hidden = graphs.run(input_ids, positions, self._slots(block_tables, num_new, positions),
@@ -330,7 +336,7 @@ class ModelRunner:
             ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
             pos_t = torch.from_numpy(positions).to(self.device)
             hidden = self.model(ids_t, pos_t, meta, self.kv_caches)
-        out = self._sample(hidden, states, order, starts, num_new, qsl)
+        out = self._sample(hidden, states, order, starts, num_new, qsl, masks)
         if PipelineParallel.size > 1:
             shared = pipeline.share_output(out if self.samples else None)
             if not self.samples:  # another rank of the last stage
@@ -370,16 +376,62 @@ class ModelRunner:
         pipeline.wait(pending)
         return torch.cat(finals) if finals else None
 
+    @staticmethod
+    def _sampling_rows(states: list[RunnerRequest], starts: np.ndarray,
+                       num_new: np.ndarray) -> np.ndarray:
+        """The rows that sample this step: those whose scheduled tokens reach their end."""
+        return np.nonzero((starts + num_new) == np.array([len(s.token_ids) for s in states],
+                                                         dtype=np.int64))[0]
+
+    def _masks_ahead(self, states: list[RunnerRequest], starts: np.ndarray,
+                     num_new: np.ndarray) -> Future | None:
+        """The bitmask of the rows that sample this step (structure_masks), started on a
+        thread so it is computed while the model runs (llguidance lets go of the GIL);
+        None where no such row has a structured output."""
+        rows = self._sampling_rows(states, starts, num_new)
+        sampling = [states[i] for i in rows.tolist()]
+        if not any(s.structure is not None for s in sampling):
+            return None
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="structured-masks")
+        return self._mask_thread.submit(self.structure_masks, sampling)
+
+    def structure_masks(self, states: list[RunnerRequest]) -> torch.Tensor | None:
+        """[N, ceil(V / 32)] int32: what each row's structured output allows next, packed
+        (-1 where a row has none, or none yet), the grammar rows' computed together
+        (MaskExecutor); None where no row is constrained."""
+        mask = self._mask_rows(len(states))
+        constrained = False
+        pending = []  # (grammar matcher, row) whose masks llguidance computes together
+        for i, s in enumerate(states):
+            filled = False if s.structure is None else s.structure.deferred(
+                s.token_ids[s.num_prompt_tokens:], self.eos_token_ids, mask[i])
+            if filled is False:
+                mask[i] = -1
+                continue
+            constrained = True
+            if filled is not True:
+                pending.append((filled, i))
+        if pending:
+            self._mask_executor.fill_masks(pending, mask, self.eos_token_ids)
+        return torch.from_numpy(mask) if constrained else None
+
+    def _mask_rows(self, n: int) -> np.ndarray:
+        """n rows of a bitmask buffer kept between steps (grown as needed)."""
+        words = -(-self.model.config.vocab_size // 32)
+        if self._mask_buffer is None or self._mask_buffer.shape[0] < n:
+            self._mask_buffer = np.empty((max(n, 8), words), dtype=np.int32)
+        return self._mask_buffer[:n]
+
     def _sample(self, hidden: torch.Tensor, states: list[RunnerRequest], order: list[str],
-                starts: np.ndarray, num_new: np.ndarray, qsl: np.ndarray) -> RunnerOutput:
+                starts: np.ndarray, num_new: np.ndarray, qsl: np.ndarray,
+                masks: Future | None = None) -> RunnerOutput:
         """The step's sampled tokens (and prompt logprobs) from its final hidden states."""
         prompt_logprobs = None
         if self.scoring:  # a one-token prompt chunk is among the decodes: all are looked at
             prompt_logprobs = self._prompt_logprobs(hidden, states, order, starts, num_new,
                                                     qsl) or None
-        sample_mask = (starts + num_new) == np.array([len(s.token_ids) for s in states],
-                                                     dtype=np.int64)
-        sample_idx = np.nonzero(sample_mask)[0]
+        sample_idx = self._sampling_rows(states, starts, num_new)
         if len(sample_idx) == 0:
             return RunnerOutput([], [], prompt_logprobs=prompt_logprobs)
         if len(sample_idx) == len(states):
@@ -393,6 +445,8 @@ class ModelRunner:
             self.model.compute_logits(hidden, float32=False)
             return RunnerOutput([], [], prompt_logprobs=prompt_logprobs)
         batch = self._sampling_batch(sample_states)
+        if masks is not None:
+            batch.bitmask = masks.result()
         # an argmax, or the CPU sampling kernel, needs no float32 copy of the logits
         logits = self.model.compute_logits(
             hidden, float32=not self.sampler.takes_model_dtype(batch, hidden.device))
@@ -452,9 +506,6 @@ class ModelRunner:
         restricted = []
         for i, s in enumerate(states):
             allowed, bias = s.constraint_tensors(self.device)
-            if s.structure is not None:
-                allowed = s.structure.next_tokens(s.token_ids[s.num_prompt_tokens:],
-                                                  self.eos_token_ids, self.device)
             if allowed is not None:
                 allowed_rows.append(torch.full_like(allowed, i))
                 allowed_ids.append(allowed)

@@ -41,6 +41,9 @@ class SamplingBatch:
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None
     # (rows, token ids, values) added to the logits (logit_bias)
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # [N, ceil(V / 32)] int32, bit t % 32 of word t // 32 set where token t may be sampled
+    # (structured outputs; -1: a row with no constraint)
+    bitmask: torch.Tensor | None = None
     max_num_logprobs: int | None = None
 
     @property
@@ -59,7 +62,7 @@ class SamplingBatch:
     def draws_only_but_logprobs(self) -> bool:
         """draws_only, logprobs aside: nothing changes the logits before the draw."""
         return (self.blocked is None and self.repetition_penalty is None
-                and self.allowed is None and self.bias is None)
+                and self.allowed is None and self.bias is None and self.bitmask is None)
 
 
 @dataclass
@@ -89,8 +92,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         raw = logits  # logprobs are of the logits as the model gave them (never modified here)
-        if batch.allowed is not None or batch.bias is not None:
-            logits = _constrain(logits, batch.allowed, batch.bias)
+        if batch.allowed is not None or batch.bias is not None or batch.bitmask is not None:
+            logits = _constrain(logits, batch.allowed, batch.bias, batch.bitmask)
         if batch.blocked is not None:
             logits = logits.clone()
             logits[batch.blocked[0], batch.blocked[1]] = float("-inf")
@@ -196,10 +199,13 @@ def _torch_logprobs(logits: torch.Tensor, k: int, tokens: torch.Tensor
     return top_ids, torch.cat([top_values, chosen], dim=1), (raw > chosen).sum(dim=1) + 1
 
 
-def _constrain(logits: torch.Tensor, allowed, bias) -> torch.Tensor:
+def _constrain(logits: torch.Tensor, allowed, bias, bitmask=None) -> torch.Tensor:
     """A copy of logits with the logit biases added and, in restricted rows, every token
-    but the allowed ones at -inf."""
+    but the allowed ones at -inf; where the packed bitmask clears a token's bit, -inf."""
     logits = logits.clone()
+    if bitmask is not None:
+        logits.masked_fill_(~unpack_bitmask(bitmask.to(logits.device, non_blocking=True),
+                                            logits.shape[1]), float("-inf"))
     if bias is not None:
         rows, ids, values = bias
         logits.index_put_((rows, ids), values.to(logits.dtype), accumulate=True)
@@ -209,6 +215,19 @@ def _constrain(logits: torch.Tensor, allowed, bias) -> torch.Tensor:
         logits[restricted] = float("-inf")
         logits[rows, ids] = keep
     return logits
+
+
+_BITS = {}
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[N, W] int32 words -> [N, vocab] bool, token t's bit being bit t % 32 of word t // 32
+    (llguidance's and xgrammar's layout), in one tensor op on the words' device."""
+    bits = _BITS.get(bitmask.device)
+    if bits is None:
+        bits = _BITS[bitmask.device] = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    unpacked = ((bitmask.unsqueeze(-1) >> bits) & 1).view(bitmask.shape[0], -1)
+    return unpacked[:, :vocab].bool()
 
 
 _ARGMAX_CHUNK = 128

@@ -210,15 +210,15 @@ def _worker_main(rank: int, size: int, meet: Rendezvous, args: RunnerArgs, threa
 
 
 def _for_workers(plan: SchedulerOutput) -> SchedulerOutput:
-    """The plan without the regex guides of its new requests' params: a guide holds the
-    vocabulary's bytes and the automaton built so far, which only the sampling rank uses."""
-    if all(new.params.regex_guide is None for new in plan.new_requests):
+    """The plan without the compiled grammars of its new requests' params: a compiled
+    grammar holds llguidance's tokenizer and lexer, which only the sampling rank uses."""
+    if all(new.params.compiled_grammar is None for new in plan.new_requests):
         return plan
     new_requests = []
     for new in plan.new_requests:
-        if new.params.regex_guide is not None:
+        if new.params.compiled_grammar is not None:
             params = copy.copy(new.params)
-            params.regex_guide = None
+            params.compiled_grammar = None
             new = replace(new, params=params)
         new_requests.append(new)
     return replace(plan, new_requests=new_requests)

@@ -21,9 +21,9 @@ from batchinfer.sampling_params import SamplingParams
 
 MAX_MESSAGE = 1 << 31  # bytes; a longer length announced is refused unread
 
-# SamplingParams' fields set by the sampling rank alone (a regex guide holds the
+# SamplingParams' fields set by the sampling rank alone (a compiled grammar holds the
 # vocabulary's bytes and the automaton built so far)
-_LOCAL_PARAMS = {"regex_guide"}
+_LOCAL_PARAMS = {"compiled_grammar"}
 
 
 def broadcast_bytes(data: bytes | None, src: int, group=None) -> bytes:

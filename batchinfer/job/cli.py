@@ -74,7 +74,13 @@ def _options(f):
         O("--regex", metavar="PATTERN",
           help="Every completion matches this regular expression."),
         O("--json-schema", metavar="JSON",
-          help="Every completion is a JSON instance of this schema (@FILE reads a file)."),
+          help="Every completion is a JSON instance of this schema, draft 2020-12 (@FILE "
+               "reads a file)."),
+        O("--json-object/--no-json-object", default=None,
+          help="Every completion is a JSON object."),
+        O("--grammar", metavar="GRAMMAR",
+          help="Every completion is a sentence of this Lark (or GBNF) grammar (@FILE reads "
+               "a file)."),
         O("--reasoning-parser", type=click.Choice(REASONING_PARSERS),
           help="deepseek_r1 or qwen3: the text inside <think>...</think> goes to a "
                "`reasoning` column, the answer after it to `completion`."),

@@ -59,6 +59,8 @@ class JobOptions:
     choice: list[str] | None = None
     regex: str | None = None
     json_schema: str | None = None
+    json_object: bool | None = None
+    grammar: str | None = None
     reasoning_parser: str | None = None
     max_attempts: int = 1
     tools: str | None = None
@@ -263,7 +265,9 @@ class JobOptions:
         kwargs.update((k, getattr(self, k)) for k in SAMPLING_NAMES
                       if getattr(self, k) is not None)
         given = [f for f, v in (("--choice", self.choice), ("--regex", self.regex),
-                                ("--json-schema", self.json_schema)) if v]
+                                ("--json-schema", self.json_schema),
+                                ("--json-object", self.json_object),
+                                ("--grammar", self.grammar)) if v]
         if len(given) > 1:
             raise JobError(f"{' and '.join(given)} cannot be combined; give one of them")
         if self.choice:
@@ -272,6 +276,10 @@ class JobOptions:
             kwargs["structured_outputs"] = {"regex": self.regex}
         if self.json_schema is not None:
             kwargs["structured_outputs"] = {"json": self.json_schema_value()}
+        if self.json_object:
+            kwargs["structured_outputs"] = {"json_object": True}
+        if self.grammar is not None:
+            kwargs["structured_outputs"] = {"grammar": self.grammar_value()}
         try:
             return SamplingParams(**kwargs)
         except (ValueError, TypeError) as e:
@@ -279,8 +287,9 @@ class JobOptions:
                              lambda m: flag(m.group(2)), str(e))
             constraint = given[0] if given else "--choice"
             message = message.replace("--structured-outputs", constraint)
-            message = re.sub(r"^json schema", "--json-schema", message)
-            raise JobError(re.sub(r"^regex ", "--regex ", message))
+            message = re.sub(r"^json schema:? ?", "--json-schema: ", message)
+            message = re.sub(r"^grammar:? ?", f"{constraint}: ", message)
+            raise JobError(re.sub(r"^regex:? ?", "--regex: ", message))
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of LLMEngine.from_kwargs, without `model`."""
@@ -335,6 +344,17 @@ class JobOptions:
                            f"a sampling column; the names are {', '.join(SAMPLING_COLUMNS)}")
         return names, True
 
+    def grammar_value(self) -> str:
+        """--grammar as given, or the contents of the file after an "@"."""
+        text = self.grammar
+        if text.startswith("@"):
+            path = Path(text[1:]).expanduser()
+            try:
+                return path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise JobError(f"--grammar {text}: cannot read {path}: {e}")
+        return text
+
     def json_schema_value(self) -> Any:
         """--json-schema parsed: JSON text, or the JSON file after an "@"."""
         text = self.json_schema
@@ -344,10 +364,11 @@ class JobOptions:
                 text = path.read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as e:
                 raise JobError(f"--json-schema {self.json_schema}: cannot read {path}: {e}")
+        from batchinfer.structured.grammar import schema_value
         try:
-            return json.loads(text)
-        except json.JSONDecodeError as e:
-            raise JobError(f"--json-schema: not valid JSON ({e})") from None
+            return schema_value(text)  # (its nesting checked before json.loads reads it)
+        except ValueError as e:
+            raise JobError(re.sub(r"^json schema:? ?", "--json-schema: ", str(e))) from None
 
     def tools_value(self) -> list[dict] | None:
         """--tools parsed and checked: an OpenAI tools list, as JSON text or the JSON file

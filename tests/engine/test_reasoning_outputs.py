@@ -1,6 +1,7 @@
 """Reasoning outputs on a real (random-weight) model: the split into reasoning_content and
 the answer, and structured outputs that start after </think>."""
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -62,6 +63,22 @@ def test_choice_applies_after_the_reasoning(think_llm):
     assert ended.text in choices and ended.finish_reason == "stop"
     assert closed.reasoning_content is None
     assert closed.text in choices and closed.finish_reason == "stop"
+
+
+def test_a_grammar_applies_after_the_reasoning(think_llm):
+    """A regex and a JSON schema (llguidance's matchers) start at </think> as a choice does."""
+    end = think_llm.llm_engine.get_reasoning_parser("qwen3").end_token_id
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    for constraint, check in (({"regex": "[0-9]{2}"}, lambda t: re.fullmatch("[0-9]{2}", t)),
+                              ({"json": schema}, lambda t: json.loads(t)["ok"] in (True, False))):
+        constrained = SamplingParams(max_tokens=12, temperature=0.0,
+                                     structured_outputs=constraint)
+        outs = think_llm.generate(
+            ["Review: great film.<think>\n", "Review: great film.<think>\nhm</think>\n"],
+            [constrained.clone(logit_bias={end: 100}), constrained], reasoning_parser="qwen3")
+        ended, closed = (o.outputs[0] for o in outs)
+        assert ended.token_ids[0] == end and ended.finish_reason == "stop", ended.text
+        assert check(ended.text) and check(closed.text), (ended.text, closed.text)
 
 
 def test_chat_and_unknown_parser(think_llm):

@@ -317,3 +317,29 @@ def test_c_argmax_matches_torch_with_nan_and_inf(vocab, dtype):
     assert cpu.ops.supports_argmax(logits)
     assert torch.equal(cpu.ops.argmax(logits), logits.argmax(dim=-1))
     assert torch.equal(greedy_argmax(logits), logits.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("vocab", [5, 32, 70])
+def test_a_packed_bitmask_leaves_only_its_tokens(vocab):
+    """Bit t % 32 of word t // 32 allows token t (llguidance's layout, the sign bit
+    included); a row of -1 is unconstrained; the sampled tokens are allowed ones."""
+    import numpy as np
+
+    from batchinfer.engine.sampler import unpack_bitmask
+    from batchinfer.structured.grammar import set_tokens
+    words = -(-vocab // 32)
+    allowed = [[0, vocab - 1], [min(31, vocab - 1)], list(range(vocab))]
+    mask = np.empty((3, words), dtype=np.int32)
+    for row, ids in zip(mask, allowed[:2]):
+        set_tokens(row, ids)
+    mask[2] = -1
+    bits = unpack_bitmask(torch.from_numpy(mask), vocab)
+    assert [torch.nonzero(b).flatten().tolist() for b in bits] == allowed
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(vocab))
+    greedy = Sampler()(logits, SamplingBatch(all_greedy=True,
+                                             bitmask=torch.from_numpy(mask)))
+    assert [t in ids for t, ids in zip(greedy.token_ids.tolist(), allowed)] == [True] * 3
+    assert greedy.token_ids[2] == logits[2].argmax()
+    drawn = Sampler(torch.Generator().manual_seed(0))(logits, SamplingBatch(
+        all_greedy=False, temperature=torch.ones(3), bitmask=torch.from_numpy(mask)))
+    assert [t in ids for t, ids in zip(drawn.token_ids.tolist(), allowed)] == [True] * 3

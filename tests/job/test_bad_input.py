@@ -2,6 +2,7 @@
 line, before any model is loaded."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -16,6 +17,7 @@ from click.testing import CliRunner
 
 from batchinfer import SamplingParams
 from batchinfer.bench.structured import HOSTILE, REALISTIC
+from batchinfer.structured.grammar import MAX_JSON_DEPTH, MAX_SPEC_CHARS
 from fake_engine import FakeEngine
 from jobtools import corrupt_row_group, nested_list
 
@@ -99,20 +101,25 @@ def test_truncate_prompt_tokens_runs_long_rows(tmp_path, run_cli, reference_llm)
 
 
 HOSTILE_REGEX = HOSTILE["nested-counted-regex"]
+DEEPER = functools.reduce(lambda inner, _: [inner], range(MAX_JSON_DEPTH), [])
 HOSTILE_SCHEMA = HOSTILE["nested-maxItems-anyOf"]
 DEEP = HOSTILE["maxItems-30-deep"]
 STRINGS = REALISTIC["strings-1000x1000"][0]
 
 
 def test_a_constraint_too_large_fails_its_row_alone(tmp_path, run_cli):
-    """OpenAI lines whose regex or schema would expand past the automaton's limits fail
-    with an error naming the limit; the lines around them, an array of up to 1000 strings
-    of up to 1000 characters among them, complete."""
+    """OpenAI lines whose regex or schema is past a bound, or that llguidance refuses, fail
+    with an error naming the bound or the reason; the lines around them complete, hostile
+    ones for an eager compiler (generated within llguidance's bounds per token, or ended
+    at one) and an array of up to 1000 strings of up to 1000 characters among them."""
     bodies = {"digits": {"guided_regex": "[0-9]{2}"},
               "regex": {"guided_regex": HOSTILE_REGEX},
               "schema": {"response_format": {"type": "json_schema", "json_schema": {
                   "name": "nested", "schema": HOSTILE_SCHEMA}}},
               "deep": {"guided_json": DEEP},
+              "deeper": {"guided_json": {"type": "array", "items": DEEPER}},
+              "long": {"guided_regex": "a" * (MAX_SPEC_CHARS + 1)},
+              "refused": {"guided_json": {"type": "array", "uniqueItems": True}},
               "strings": {"guided_json": STRINGS},
               "plain": {}}
     lines = [{"custom_id": name, "method": "POST", "url": "/v1/completions",
@@ -122,13 +129,14 @@ def test_a_constraint_too_large_fails_its_row_alone(tmp_path, run_cli):
     result = run_cli(tmp_path / "batch.jsonl", "-o", tmp_path / "out")
     assert result.exit_code == 0, result.output
     rows = {r["custom_id"]: r for r in ds.dataset(tmp_path / "out").to_table().to_pylist()}
-    assert "regex too large" in rows["regex"]["error"]
-    assert "json schema too large" in rows["schema"]["error"]
-    assert "json schema too large" in rows["deep"]["error"]
-    for name in ("regex", "schema", "deep"):
-        assert "(limit 100000)" in rows[name]["error"]
+    assert f"nesting deeper than {MAX_JSON_DEPTH}" in rows["deeper"]["error"]
+    assert f"regex too large: {MAX_SPEC_CHARS + 1} characters (limit {MAX_SPEC_CHARS})" \
+        in rows["long"]["error"]
+    assert 'Unimplemented keys: ["uniqueItems"]' in rows["refused"]["error"]
+    for name in ("deeper", "long", "refused"):
         assert rows[name]["finish_reason"] == "error"
-    for name in ("digits", "strings", "plain"):
+    assert rows["regex"]["error"] is None or "lexer error" in rows["regex"]["error"]
+    for name in ("digits", "schema", "deep", "strings", "plain"):
         assert rows[name]["error"] is None and rows[name]["finish_reason"] in ("stop", "length")
     assert rows["strings"]["completion"].startswith("[")
 
@@ -202,14 +210,18 @@ def assert_fatal(result, *words: str) -> None:
     (["--system-prompt", "@/nonexistent/system.txt"], ["--system-prompt"]),
     (["--chat-template", "/nonexistent/template.jinja"], ["--chat-template", "cannot read"]),
     (["--choice", ""], ["--choice", "non-empty strings"]),
-    (["--regex", "(?=x)"], ["--regex", "lookarounds"]),
+    (["--regex", "(?=x)"], ["--regex", "look-around"]),
     (["--regex", "a", "--choice", "b"], ["--choice and --regex"]),
-    (["--json-schema", '{"type": "string", "format": "date"}'], ["--json-schema", "format"]),
+    (["--json-schema", '{"type": "array", "uniqueItems": true}'],
+     ["--json-schema", "uniqueItems"]),
+    (["--grammar", "start: nowhere"], ["--grammar", "unknown name"]),
+    (["--grammar", "@/nonexistent/grammar.lark"], ["--grammar", "cannot read"]),
+    (["--grammar", "start: x", "--json-object"], ["--json-object and --grammar"]),
     (["--json-schema", "{oops"], ["--json-schema", "not valid JSON"]),
     (["--json-schema", "@/nonexistent/schema.json"], ["--json-schema", "cannot read"]),
-    (["--regex", HOSTILE_REGEX], ["--regex too large", "automaton states (limit 100000)"]),
-    (["--json-schema", json.dumps(HOSTILE_SCHEMA)],
-     ["--json-schema too large", "automaton states (limit 100000)"]),
+    (["--regex", "a" * (MAX_SPEC_CHARS + 1)], ["--regex", f"(limit {MAX_SPEC_CHARS})"]),
+    (["--json-schema", json.dumps(DEEPER)],
+     ["--json-schema", f"nesting deeper than {MAX_JSON_DEPTH}"]),
     (["--chat-template", "BAD_TEMPLATE"], ["--chat-template", "line 1"]),
     (["--chat-template-kwargs", "enable_thinking=false"], ["--chat-template-kwargs", "JSON"]),
     (["--chat-template-kwargs", '["x"]'], ["--chat-template-kwargs", "must be an object"]),

@@ -201,7 +201,9 @@ def test_chat_template_file_and_variables(tmp_path, run_cli, reference_llm):
 
 
 VERDICT = {"type": "object", "properties": {"verdict": {"enum": ["yes", "no"]},
-                                             "score": {"type": "integer"}}}
+                                             "score": {"type": "integer", "minimum": 0,
+                                                       "maximum": 100}},
+           "required": ["verdict", "score"]}
 
 
 def test_choice_and_per_line_constraints(tmp_path, run_cli, reference_llm):
@@ -224,10 +226,11 @@ def test_choice_and_per_line_constraints(tmp_path, run_cli, reference_llm):
               {"logit_bias": {str(forced): 100}, "max_tokens": 2},
               {"structured_outputs": {"regex": "(cat|dog)s?"}, "max_tokens": 12},
               {"guided_regex": "[0-9]{2}-[a-z]", "max_tokens": 12},
-              {"response_format": {"type": "json_object"}},
+              {"response_format": {"type": "json_object"}, "max_tokens": 40},
               {"response_format": {"type": "json_schema", "json_schema": {
                   "name": "verdict", "schema": VERDICT}}, "max_tokens": 40},
-              {"guided_json": VERDICT, "max_tokens": 40}]
+              {"guided_json": VERDICT, "max_tokens": 40},
+              {"guided_grammar": 'start: "yes" | "no" | "maybe"'}]
     lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
               "body": {"prompt": "Answer:", "temperature": 0, "max_tokens": 5, **b}}
              for i, b in enumerate(bodies)]
@@ -238,8 +241,11 @@ def test_choice_and_per_line_constraints(tmp_path, run_cli, reference_llm):
     assert rows[2]["token_ids"] == [forced, forced]
     assert re.fullmatch("(cat|dog)s?", rows[3]["completion"])
     assert re.fullmatch("[0-9]{2}-[a-z]", rows[4]["completion"])
-    assert "json_object" in rows[5]["error"]
-    for row in rows[6:]:
+    assert rows[5]["error"] is None and rows[5]["completion"].startswith("{")
+    if rows[5]["finish_reason"] == "stop":  # else cut off by max_tokens
+        assert isinstance(json.loads(rows[5]["completion"]), dict)
+    assert rows[8]["completion"] in ("yes", "no", "maybe")
+    for row in rows[6:8]:
         assert json.loads(row["completion"])["verdict"] in ("yes", "no"), row
 
     # --json-schema, as JSON text or @FILE
@@ -251,6 +257,19 @@ def test_choice_and_per_line_constraints(tmp_path, run_cli, reference_llm):
         completions = read_output(out).column("completion").to_pylist()
         assert [json.loads(c)["verdict"] in ("yes", "no") for c in completions] \
             == [True] * len(PROMPTS)
+
+    # --grammar @FILE (Lark) and --json-object
+    (tmp_path / "answer.lark").write_text('start: "yes" | "no" | "maybe " DIGIT\nDIGIT: /[0-9]/\n')
+    check_ok(run_cli(tmp_path / "in.jsonl", "-o", tmp_path / "out-grammar", *SAMPLING_FLAGS,
+                     "--max-tokens", "8", "--grammar", f"@{tmp_path / 'answer.lark'}"))
+    completions = read_output(tmp_path / "out-grammar").column("completion").to_pylist()
+    assert all(re.fullmatch("yes|no|maybe [0-9]", c) for c in completions), completions
+    check_ok(run_cli(tmp_path / "in.jsonl", "-o", tmp_path / "out-object", *SAMPLING_FLAGS,
+                     "--max-tokens", "24", "--json-object"))
+    for row in read_output(tmp_path / "out-object").to_pylist():
+        assert row["completion"].startswith("{") and row["error"] is None, row
+        if row["finish_reason"] == "stop":
+            assert isinstance(json.loads(row["completion"]), dict)
 
     # --regex: every completion matches
     check_ok(run_cli(tmp_path / "in.jsonl", "-o", tmp_path / "out3", *SAMPLING_FLAGS,

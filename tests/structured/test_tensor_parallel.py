@@ -1,7 +1,7 @@
 """Structured outputs with two tensor-parallel ranks (gloo, CPU, float32): the same tokens
 as one process for regex, JSON-schema and choice constraints, greedy and sampled, and the
-same error rows where an automaton passes a limit while generating; the plans sent to the
-workers carry no regex guide."""
+same error rows where a grammar passes one of llguidance's bounds while generating; the
+plans sent to the workers carry no compiled grammar."""
 from __future__ import annotations
 
 import json
@@ -13,16 +13,18 @@ import pytest
 from batchinfer import LLM, SamplingParams
 from batchinfer.engine.scheduler import NewRequestData, SchedulerOutput
 from batchinfer.engine.tensor_parallel import _for_workers
-from batchinfer.structured import regex_automaton, regex_guide
+from batchinfer.structured import grammar
 
 PROMPTS = ["The river runs", "Once upon a time", "A short note on"]
 PHONE = r"\d{3}-\d{4}"
 NAME = r"[A-Z][a-z]{1,5} [0-9]{1,2}"
 SCHEMA = {"type": "object", "properties": {"label": {"enum": ["pos", "neg"]},
-                                           "score": {"type": "number"},
+                                           "score": {"type": "integer", "minimum": -99,
+                                                     "maximum": 99},
                                            "tags": {"type": "array", "items": {"type": "string",
                                                                                "maxLength": 6},
-                                                    "maxItems": 2}}}
+                                                    "maxItems": 2}},
+          "required": ["label", "score", "tags"]}
 CHOICES = ["positive", "negative", "a neutral opinion"]
 
 CASES = [
@@ -43,19 +45,19 @@ MIXED = [
 ]
 
 
-def test_plans_reach_workers_without_regex_guides():
-    """A guide (the vocabulary's bytes, the automaton so far) stays on rank 0, which alone
+def test_plans_reach_workers_without_compiled_grammars():
+    """A compiled grammar (llguidance's tokenizer and lexer) stays on rank 0, which alone
     samples; the plan rank 0 runs keeps it."""
     guide = object()
-    regex = SamplingParams(structured_outputs={"regex": PHONE}).clone(regex_guide=guide)
+    regex = SamplingParams(structured_outputs={"regex": PHONE}).clone(compiled_grammar=guide)
     plain = SamplingParams()
     plan = SchedulerOutput(new_requests=[NewRequestData("a", [1, 2], 2, regex, [0], 0),
                                          NewRequestData("b", [3], 1, plain, [1], 0)])
     sent = _for_workers(plan)
-    assert [new.params.regex_guide for new in sent.new_requests] == [None, None]
+    assert [new.params.compiled_grammar for new in sent.new_requests] == [None, None]
     assert sent.new_requests[0].params.structured_outputs.regex == PHONE
     assert sent.new_requests[1] is plan.new_requests[1]
-    assert plan.new_requests[0].params.regex_guide is guide
+    assert plan.new_requests[0].params.compiled_grammar is guide
     plain_plan = SchedulerOutput(new_requests=plan.new_requests[1:])
     assert _for_workers(plain_plan) is plain_plan
 
@@ -66,18 +68,19 @@ def _outcomes(outs) -> list:
 
 
 def _limits(llm: LLM) -> list:
-    """A completion whose automaton passes a limit while generating (the time per step,
-    the size of a state), beside a plain row; the patterns asked again; then plain rows."""
+    """A completion whose grammar passes one of llguidance's bounds while generating (the
+    lexer's states, its work per token), beside a plain row; the patterns asked again
+    (compiled, and past their bounds, already); then plain rows."""
     plain = SamplingParams(max_tokens=8, temperature=0.0)
     slow = SamplingParams(max_tokens=8, structured_outputs={"regex": "[a-z]{1,20}"})
-    wide = "a(" + "|".join(f"x{i}" for i in range(40)) + ")"  # after 'a': an 80-NFA-state state
+    wide = "a(" + "|".join(f"x{i}" for i in range(40)) + ")"
     large = SamplingParams(max_tokens=8, temperature=1.0, seed=1, n=2,
                            structured_outputs={"regex": wide})
-    with pytest.MonkeyPatch.context() as patch:  # on rank 0: no other rank builds automata
-        patch.setattr(regex_guide, "BUILD_SECONDS", 0.0)
+    with pytest.MonkeyPatch.context() as patch:  # on rank 0: no other rank compiles
+        patch.setitem(grammar.LIMITS, "max_lexer_states", 20)
         failed_slow = llm.generate(PROMPTS[:2], [slow, plain])
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(regex_automaton, "MAX_DFA_STATE_SIZE", 50)
+        patch.setitem(grammar.LIMITS, "step_lexer_fuel", 100)
         failed_large = llm.generate(PROMPTS[:2], [large, plain])
     again = llm.generate(PROMPTS[:2], [slow, large])
     after = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.8, seed=4))
@@ -89,7 +92,7 @@ def _all_outcomes(llm: LLM) -> dict:
     got["mixed"] = _outcomes(llm.generate(PROMPTS, MIXED))
     got["limits"] = _limits(llm)
     bypass = SamplingParams(max_tokens=8, structured_outputs={"regex": "a"})
-    bypass.structured_outputs.regex = "((a{0,1000}){0,1000}){0,1000}"  # past the size check
+    bypass.structured_outputs.regex = "(?=a)"  # past the check
     got["bypass"] = _outcomes(llm.generate(PROMPTS[:1], bypass))
     return got
 
@@ -120,6 +123,7 @@ def _check_constrained(params: SamplingParams, outcome: list) -> None:
                 value = json.loads(text)
                 assert list(value) == ["label", "score", "tags"] and value["label"] in ("pos",
                                                                                         "neg")
+                assert isinstance(value["score"], int) and len(value["tags"]) <= 2
             else:
                 assert re.fullmatch(so.regex, text), text
 
@@ -141,23 +145,23 @@ def test_a_batch_mixing_constraints_and_plain_rows(outcomes):
 
 
 @pytest.mark.slow  # starts process groups
-def test_an_automaton_limit_while_generating_fails_that_completion_alike(outcomes):
+def test_a_bound_while_generating_fails_that_completion_alike(outcomes):
     """An error row, the batch's other rows unchanged, the pattern refused after, and
     the ranks still in step."""
     expected, got = outcomes
     assert got["limits"] == expected["limits"]
     (slow, plain), (large, _), (slow_again, large_again), after = expected["limits"]
-    assert "regex too slow" in slow[0] and slow[1][0][2] == "error"
+    assert "too many states" in slow[0] and slow[1][0][2] == "error"
     assert plain[0] is None and plain[1][0][2] == "length"
-    assert "(limit 50)" in large[0] and [c[2] for c in large[1]] == ["error", "error"]
+    assert "too many expressions" in large[0] and [c[2] for c in large[1]] == ["error", "error"]
     assert slow_again[0] == slow[0] and large_again[0] == large[0]
     assert len(after) == 3 and all(error is None for error, _ in after)
 
 
 @pytest.mark.slow  # starts process groups
-def test_a_pattern_over_a_limit_is_refused_alike(outcomes):
+def test_a_pattern_llguidance_refuses_is_refused_alike(outcomes):
     expected, got = outcomes
-    assert "limit 100000" in expected["bypass"][0][0]
+    assert "look-around" in expected["bypass"][0][0]
     assert got["bypass"] == expected["bypass"]
 
 
