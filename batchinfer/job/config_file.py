@@ -4,9 +4,9 @@ Keys are option names with dashes or underscores (`max-tokens = 64`); tables suc
 `[sampling]` or `[engine]` may group them and are flattened. A `[messages]` table (role ->
 template) or `[[messages]]` list ({role, content}) is the --messages-template;
 `sampling-columns` is true (every known name) or a list of names. Relative paths (input,
-output, metrics textfile, `@file` system prompts, a model or tokenizer directory) are
-resolved against the folder of the job file, so a job file runs the same from any working
-directory.
+output, metrics textfile, `@file` values such as system prompts, schemas and tools, a model
+or tokenizer directory) are resolved against the folder of the job file, so a job file
+runs the same from any working directory.
 """
 from __future__ import annotations
 
@@ -76,7 +76,8 @@ def _resolve_paths(values: dict[str, Any], base: Path) -> dict[str, Any]:
         value = values.get(key)
         if isinstance(value, str) and not (key == "input" and value.startswith("hf:")):
             values[key] = resolve(value)
-    for key in ("system_prompt", "prompt_template", "messages_template"):
+    for key in ("system_prompt", "prompt_template", "messages_template", "json_schema",
+                "grammar", "tools"):
         text = values.get(key)
         if isinstance(text, str) and text.startswith("@"):
             values[key] = "@" + resolve(text[1:])
