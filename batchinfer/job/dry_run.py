@@ -289,8 +289,13 @@ def _print(summary: dict[str, Any], options: JobOptions, out: TextIO) -> None:
         lines.append("  estimated time         - (no prompt to calibrate with)")
     else:
         lines.append(
-            f"  estimated time         {estimate['wall_s']:,.0f} s (prefill "
+            f"  estimated time         {_seconds(estimate['wall_s'])} s (prefill "
             f"{estimate['prefill_tokens_per_s']:,.0f} tok/s, decode "
             f"{estimate['decode_tokens_per_s']:,.0f} tok/s at {estimate['calibration_seqs']} "
             "sequences, measured on this machine)")
     print("\n".join(lines), file=out)
+
+
+def _seconds(s: float) -> str:
+    """A time in seconds to three significant digits (a small job's is under one)."""
+    return f"{s:,.0f}" if s >= 100 else f"{s:.3g}" if s >= 0.001 else f"{s:.6f}"
