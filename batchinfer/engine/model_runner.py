@@ -9,6 +9,7 @@ last stage's first rank samples and shares the step's output with every rank at 
 """
 from __future__ import annotations
 
+import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
@@ -22,6 +23,7 @@ from batchinfer.engine.cuda_graphs import DecodeGraphs, capture_sizes, captures_
 from batchinfer.engine.host_memory import KVPagePopulator, keep_freed_memory
 from batchinfer.engine.sampler import Sampler, SamplingBatch, logprobs
 from batchinfer.engine.scheduler import RunnerOutput, SchedulerOutput
+from batchinfer.kernels.cpu import build as cpu_build
 from batchinfer.model import cpu_linear
 from batchinfer.model.config import ModelConfig
 from batchinfer.model.loader import load_model, weight_bytes
@@ -78,6 +80,10 @@ class RunnerRequest:
         return self._constraint_tensors
 
 
+def _say(message: str) -> None:
+    print(f"batchinfer: {message}", file=sys.stderr, flush=True)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path,
                  device: torch.device, dtype: torch.dtype, max_model_len: int,
@@ -101,12 +107,18 @@ class ModelRunner:
             # Triton launches, graph capture and synchronize() use the current device
             torch.cuda.set_device(device)
         self.backend = get_attention_backend(config.attention_backend, device)
+        # a first run on this machine builds the C kernels, while the weights load (one
+        # rank builds them; the others find them built, or build what they use)
+        kernels = (cpu_build.start_build_all(_say) if device.type == "cpu"
+                   and TensorParallel.rank == 0 and PipelineParallel.rank == 0 else None)
         self.model = load_model(model_path, model_config, self.backend, dtype, device,
                                 config.load_format, config.allow_pickle_weights, config.seed,
                                 fp8_kv_cache=self.kv_dtype == torch.float8_e4m3fn)
         if device.type == "cpu":
             # decode steps multiply about max_num_seqs rows
             cpu_linear.pack_model(self.model, dtype, batch_hint=config.max_num_seqs)
+        if kernels is not None:
+            kernels.join()
         self.weight_bytes = weight_bytes(self.model)
         layers = self.model.model.stage_layers  # all of them but under pipeline parallelism
         attn = layers[0].self_attn

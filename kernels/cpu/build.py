@@ -1,13 +1,17 @@
-"""Building the C kernels for CPUs (kernels/cpu/*.c) on first use.
+"""Building the C kernels for CPUs (kernels/cpu/*.c).
 
 Each source is compiled with GCC at -O3 -march=native (or $BATCHINFER_CPU_ARCH) with
 OpenMP and linked to the libgomp torch itself loaded, so the kernels run on torch's
-threads: a second OpenMP runtime would keep its own threads spinning while torch's run. The library is cached under the
-cache root's kernels/ (batchinfer.paths; by default ~/.cache/batchinfer/kernels), keyed by
-the sources, the compiler, its flags and the CPU, so nodes of a cluster that share a home
-directory never load each other's builds; concurrent builders never see a half-written one.
-A read-only cache root (a shared home on a cluster) sends the build to a per-user
-directory under the system's temp dir instead.
+threads: a second OpenMP runtime would keep its own threads spinning while torch's run.
+The library is cached under the cache root's kernels/ (batchinfer.paths; by default
+~/.cache/batchinfer/kernels), keyed by the sources, the compiler, its flags and the CPU,
+so nodes of a cluster that share a home directory never load each other's builds;
+concurrent builders never see a half-written one. A read-only cache root (a shared home on
+a cluster) sends the build to a per-user directory under the system's temp dir instead.
+
+An engine on a CPU builds every kernel not built yet at its start, all at once and while
+its weights load, with a line saying so (build_all); `batchinfer build-kernels` does the
+same ahead of a job. A kernel first used otherwise is built then (build).
 
 Everything here is optional: without gcc, when torch's OpenMP runtime is not libgomp, or
 with BATCHINFER_CPU_KERNELS=0, build() returns None (with one warning) and the callers keep
@@ -16,6 +20,7 @@ to plain torch.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -26,7 +31,9 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
@@ -41,7 +48,11 @@ ARCH_ENV = "BATCHINFER_CPU_ARCH"
 T = TypeVar("T")
 HERE = Path(__file__).parent
 
+COMPILE_TIMEOUT_S = 600.0   # a compile past it is given up (a slow or busy machine)
+SOURCES = sorted(HERE.glob("*.c"))
+
 _lock = threading.Lock()
+_source_locks: dict[Path, threading.Lock] = {}
 _built: dict[Path, Path | None] = {}      # source -> its library, or None
 _loaded: dict[Path, object] = {}          # source -> what load() made of its library
 
@@ -112,7 +123,12 @@ def _compile(compiler: list[str], source: Path, runtime: str, target: Path) -> N
         # link with the runtime's file itself, not -fopenmp's default libgomp
         for cmd in ([*compiler, *_flags(), "-c", str(source), "-o", str(obj)],
                     [*compiler, "-shared", str(obj), runtime, "-o", str(lib)]):
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            try:
+                done = subprocess.run(cmd, capture_output=True, text=True,
+                                      timeout=COMPILE_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"{cmd[0]} took over {COMPILE_TIMEOUT_S:.0f} s compiling "
+                                   f"{source.name} (a busy machine?)") from None
             if done.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")
         os.replace(lib, target)
@@ -131,11 +147,58 @@ def entry_points(lib: ctypes.CDLL, names: dict[torch.dtype, str], argtypes: list
 
 def build(source: Path) -> Path | None:
     """The shared library built from source (once per process, cached across runs), or
-    None when C kernels cannot be built here or are switched off."""
+    None when C kernels cannot be built here or are switched off. Sources build in
+    parallel; one source builds once."""
+    if source in _built:
+        return _built[source]
     with _lock:
+        lock = _source_locks.setdefault(source, threading.Lock())
+    with lock:
         if source not in _built:
             _built[source] = None if switched_off() else _build(source)
         return _built[source]
+
+
+def unbuilt(sources: list[Path] | None = None) -> list[Path]:
+    """The sources (by default every kernel) whose library is not built for this CPU and
+    compiler yet: what a first run compiles."""
+    if switched_off() or _toolchain() is None:
+        return []
+    return [src for src in sources or SOURCES
+            if src not in _built and not any(t.is_file() for t in _targets(src))]
+
+
+def build_all(say: Callable[[str], None] | None = None,
+              sources: list[Path] | None = None) -> dict[Path, Path | None]:
+    """Build every kernel not built yet, all at once (each a compiler process), saying so
+    before and after when there is anything to build: a first run on a machine takes
+    minutes. Returns each source's library (None where it could not be built, with a
+    warning naming why)."""
+    sources = list(sources or SOURCES)
+    todo = unbuilt(sources)
+    start = time.monotonic()
+    if todo and say is not None:
+        say(f"building the CPU kernels for this CPU, once ({len(todo)} of {len(sources)} "
+            f"sources, -march={target_arch()}, into {cache_root() / 'kernels'}) ...")
+    with ThreadPoolExecutor(max_workers=max(1, min(len(sources), os.cpu_count() or 1))) as pool:
+        built = dict(zip(sources, pool.map(build, sources)))
+    if todo and say is not None:
+        failed = [src.name for src in todo if built[src] is None]
+        say(f"CPU kernels built in {time.monotonic() - start:.0f} s" + (
+            f"; {', '.join(failed)} failed (see the warnings): the slower torch path runs "
+            f"for them; `batchinfer build-kernels` tries again" if failed else ""))
+    return built
+
+
+def start_build_all(say: Callable[[str], None] | None = None) -> threading.Thread | None:
+    """build_all on a thread (to overlap with loading the weights); None when every kernel
+    is built already or none can be. join() the thread before the kernels are used."""
+    if not unbuilt():
+        return None
+    thread = threading.Thread(target=build_all, args=(say,), name="batchinfer-cpu-kernels",
+                              daemon=True)
+    thread.start()
+    return thread
 
 
 def load(source: Path, wrap: Callable[[Path], T]) -> T | None:
@@ -155,38 +218,65 @@ def load(source: Path, wrap: Callable[[Path], T]) -> T | None:
         return _loaded[source]
 
 
-def _build(source: Path) -> Path | None:
-    what = f"CPU kernel {source.name}"
+def _toolchain() -> tuple[list[str], str, str] | None:
+    """(compiler command, its --version text, torch's libgomp), or None with one warning
+    when C kernels cannot be built here."""
+    return _toolchain_for(os.environ.get("CC"))
+
+
+@functools.cache
+def _toolchain_for(cc: str | None) -> tuple[list[str], str, str] | None:
     # GCC: clang's -fopenmp targets LLVM's runtime, not the libgomp torch loads
-    compiler = shlex.split(os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-                           or "")
+    compiler = shlex.split(cc or shutil.which("gcc") or shutil.which("cc") or "")
     runtime = torch_openmp_runtime()
     if not compiler or runtime is None:
-        log.warning("%s not used (%s); the slower torch path runs instead", what,
+        log.warning("CPU kernels not used (%s); the slower torch path runs instead",
                     "no C compiler (gcc)" if not compiler
                     else "torch's OpenMP runtime (libgomp) not found")
         return None
     try:
         version = subprocess.run([*compiler, "--version"], capture_output=True, text=True,
                                  timeout=30).stdout
-        if "clang" in version.lower():
-            log.warning("%s not used: %s is clang, whose OpenMP code needs LLVM's runtime, "
-                        "not torch's libgomp; set CC=gcc", what, compiler[0])
-            return None
-        headers = sorted(HERE.glob("*.h"))
-        key = hashlib.sha256("\0".join(
-            [source.read_text(), *(h.read_text() for h in headers), *compiler, version,
-             " ".join(_flags()), runtime, cpu_identity()]).encode()).hexdigest()[:20]
-        name = f"{source.stem}-{key}.so"
-        target = cache_root() / "kernels" / name
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("CPU kernels not used (%s --version failed: %s); the slower torch path "
+                    "runs instead", compiler[0], e)
+        return None
+    if "clang" in version.lower():
+        log.warning("CPU kernels not used: %s is clang, whose OpenMP code needs LLVM's "
+                    "runtime, not torch's libgomp; set CC=gcc", compiler[0])
+        return None
+    return compiler, version, runtime
+
+
+def _targets(source: Path) -> tuple[Path, Path]:
+    """Where source's library is cached: under the cache root, else (a read-only cache
+    root) in a per-user folder of the temp dir."""
+    compiler, version, runtime = _toolchain()
+    headers = sorted(HERE.glob("*.h"))
+    key = hashlib.sha256("\0".join(
+        [source.read_text(), *(h.read_text() for h in headers), *compiler, version,
+         " ".join(_flags()), runtime, cpu_identity()]).encode()).hexdigest()[:20]
+    name = f"{source.stem}-{key}.so"
+    return (cache_root() / "kernels" / name,
+            Path(tempfile.gettempdir()) / f"batchinfer-kernels-{os.getuid()}" / name)
+
+
+def _build(source: Path) -> Path | None:
+    toolchain = _toolchain()
+    if toolchain is None:
+        return None
+    compiler, _, runtime = toolchain
+    try:
+        target, fallback = _targets(source)
         if not target.is_file():
             try:
                 _compile(compiler, source, runtime, target)
             except PermissionError:  # a read-only cache (a shared home on a cluster)
-                target = Path(tempfile.gettempdir()) / f"batchinfer-kernels-{os.getuid()}" / name
+                target = fallback
                 if not target.is_file():
                     _compile(compiler, source, runtime, target)
         return target
     except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as e:
-        log.warning("%s could not be built (%s); the torch path runs instead", what, e)
+        log.warning("CPU kernel %s could not be built (%s); the torch path runs instead",
+                    source.name, e)
         return None

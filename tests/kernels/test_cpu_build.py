@@ -1,0 +1,74 @@
+"""Building the C kernels: all at once when an engine starts on a CPU (while its weights
+load), saying so, never inside a row's latency; `batchinfer build-kernels` ahead of a job;
+a build that fails or times out says why and how to try again."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+
+import pyarrow.dataset as ds
+import pytest
+
+from batchinfer.kernels import cpu
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu.build, "_built", {})
+    monkeypatch.setattr(cpu.build, "_loaded", {})
+    monkeypatch.setenv("BATCHINFER_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_a_failed_build_says_which_and_how_to_retry(fresh_loader, monkeypatch, caplog):
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    said = []
+    with caplog.at_level(logging.WARNING, logger=cpu.build.__name__):
+        built = cpu.build.build_all(say=said.append)
+    assert set(built) == set(cpu.build.SOURCES) and not any(built.values())
+    assert said[0].startswith(f"building the CPU kernels for this CPU, once "
+                              f"({len(built)} of {len(built)} sources")
+    assert "decode.c" in said[1] and "failed" in said[1]
+    assert "`batchinfer build-kernels` tries again" in said[1]
+    assert "CPU kernel decode.c could not be built" in caplog.text
+
+
+def test_a_compile_past_its_time_is_given_up_with_its_cause(fresh_loader, monkeypatch, caplog):
+    monkeypatch.setattr(cpu.build, "COMPILE_TIMEOUT_S", 0.001)
+    with caplog.at_level(logging.WARNING, logger=cpu.build.__name__):
+        assert cpu.build.build(cpu.ops.SOURCE) is None
+    assert "took over 0 s compiling ops.c" in caplog.text and "torch path" in caplog.text
+
+
+def test_nothing_to_build_says_nothing(fresh_loader, monkeypatch):
+    monkeypatch.setenv(cpu.build.ENV_SWITCH, "0")
+    said = []
+    assert cpu.build.unbuilt() == [] and cpu.build.start_build_all(said.append) is None
+    assert not any(cpu.build.build_all(say=said.append).values()) and said == []
+
+
+@pytest.mark.slow
+def test_a_first_run_builds_the_kernels_before_its_clock_starts(tmp_path):
+    env = {**os.environ, "BATCHINFER_CACHE_DIR": str(tmp_path / "cache")}
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps({"prompt": f"row {i}"}) + "\n" for i in range(4)))
+    batchinfer = [sys.executable, "-m", "batchinfer"]
+    first = subprocess.run([*batchinfer, "run", str(source), "--model", "demo", "-o",
+                            str(tmp_path / "out"), "--max-tokens", "4", "--no-progress"],
+                           env=env, capture_output=True, text=True, timeout=900)
+    assert first.returncode == 0, first.stderr
+    sources = len(cpu.build.SOURCES)
+    assert f"building the CPU kernels for this CPU, once ({sources} of {sources}" \
+        in first.stderr
+    built_s = int(re.search(r"CPU kernels built in (\d+) s", first.stderr).group(1))
+    assert len(list((tmp_path / "cache" / "kernels").glob("*.so"))) == sources
+    ttft = ds.dataset(tmp_path / "out").to_table().column("ttft_s").to_pylist()
+    assert max(ttft) < max(2.0, built_s / 2)  # the build is in no row's latency
+    again = subprocess.run([*batchinfer, "build-kernels"], env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert again.returncode == 0 and "building" not in again.stderr
+    assert f"{sources} CPU kernels ready in {tmp_path / 'cache' / 'kernels'}" in again.stderr
