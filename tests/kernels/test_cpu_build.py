@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -52,18 +53,27 @@ def test_nothing_to_build_says_nothing(fresh_loader, monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_first_run_builds_the_kernels_before_its_clock_starts(tmp_path):
+def test_a_first_run_builds_the_kernels_before_its_clock_starts(tmp_path, llama_dir):
     env = {**os.environ, "BATCHINFER_CACHE_DIR": str(tmp_path / "cache")}
+    # the two large kernels (minutes with an AVX2 -march) come from the usual cache: the
+    # first run builds the other six
+    large = [cpu.decode.SOURCE, cpu.prefill.SOURCE]
+    (tmp_path / "cache" / "kernels").mkdir(parents=True)
+    for source in large:
+        library = cpu.build.build(source)
+        if library is None:
+            pytest.skip("the C kernels cannot be built here")
+        shutil.copy(library, tmp_path / "cache" / "kernels" / library.name)
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps({"prompt": f"row {i}"}) + "\n" for i in range(4)))
     batchinfer = [sys.executable, "-m", "batchinfer"]
-    first = subprocess.run([*batchinfer, "run", str(source), "--model", "demo", "-o",
+    first = subprocess.run([*batchinfer, "run", str(source), "--model", str(llama_dir), "-o",
                             str(tmp_path / "out"), "--max-tokens", "4", "--no-progress"],
                            env=env, capture_output=True, text=True, timeout=900)
     assert first.returncode == 0, first.stderr
     sources = len(cpu.build.SOURCES)
-    assert f"building the CPU kernels for this CPU, once ({sources} of {sources}" \
-        in first.stderr
+    assert f"building the CPU kernels for this CPU, once ({sources - len(large)} of " \
+        f"{sources} sources" in first.stderr
     built_s = int(re.search(r"CPU kernels built in (\d+) s", first.stderr).group(1))
     assert len(list((tmp_path / "cache" / "kernels").glob("*.so"))) == sources
     ttft = ds.dataset(tmp_path / "out").to_table().column("ttft_s").to_pylist()
