@@ -96,7 +96,7 @@ def check_output(schema, text: str, finish_reason: str) -> str:
     try:
         error = jsonschema.exceptions.best_match(
             jsonschema.Draft202012Validator(schema).iter_errors(value))
-    except jsonschema.exceptions.SchemaError as e:  # noqa: F841
+    except jsonschema.exceptions.SchemaError:
         return "invalid: the schema itself is invalid"
     except Exception as e:  # a remote $ref the validator cannot resolve  # noqa: BLE001
         return f"unchecked: {type(e).__name__}"

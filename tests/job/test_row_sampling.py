@@ -104,7 +104,7 @@ def test_a_rows_n_gives_that_many_samples(tmp_path, run_cli):
 
 
 def test_sampling_columns_in_a_job_file(tmp_path, run_cli):
-    data = write_rows(tmp_path / "in.jsonl", [{"prompt": PROMPT, "max_tokens": 3, "seed": 1}])
+    write_rows(tmp_path / "in.jsonl", [{"prompt": PROMPT, "max_tokens": 3, "seed": 1}])
     for value, tokens in (("true", 3), ('["seed"]', 5)):
         job = tmp_path / "job.toml"
         job.write_text(f'input = "in.jsonl"\noutput = "out-{tokens}"\nmax-tokens = 5\n'

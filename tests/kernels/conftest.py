@@ -102,6 +102,15 @@ def model_dtype_logits(monkeypatch):
     return SimpleNamespace(kept=kept, widen=widen)
 
 
+@pytest.fixture
+def fresh_loader(monkeypatch, tmp_path):
+    """No kernel built or loaded in this process yet, and an empty cache root."""
+    monkeypatch.setattr(cpu.build, "_built", {})
+    monkeypatch.setattr(cpu.build, "_loaded", {})
+    monkeypatch.setenv("BATCHINFER_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
 @pytest.fixture(scope="session")
 def built_or_skip():
     """For the C kernels on CPU: the library built from a wrapper module's SOURCE. A build's

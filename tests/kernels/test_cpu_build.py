@@ -17,14 +17,6 @@ import pytest
 from batchinfer.kernels import cpu
 
 
-@pytest.fixture
-def fresh_loader(monkeypatch, tmp_path):
-    monkeypatch.setattr(cpu.build, "_built", {})
-    monkeypatch.setattr(cpu.build, "_loaded", {})
-    monkeypatch.setenv("BATCHINFER_CACHE_DIR", str(tmp_path))
-    return tmp_path
-
-
 def test_a_failed_build_says_which_and_how_to_retry(fresh_loader, monkeypatch, caplog):
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
     said = []

@@ -190,14 +190,6 @@ def test_a_nan_key_in_range_shows_in_the_output(kernel, paged_batch):
     assert not out.isnan().any() and not lse.isnan().any()
 
 
-@pytest.fixture
-def fresh_loader(monkeypatch, tmp_path):
-    monkeypatch.setattr(cpu.build, "_built", {})
-    monkeypatch.setattr(cpu.build, "_loaded", {})
-    monkeypatch.setenv("BATCHINFER_CACHE_DIR", str(tmp_path))
-    return tmp_path
-
-
 @pytest.mark.parametrize("wrapper", ["decode", "prefill", "shared_prefix", "ops", "rope",
                                      "sample", "logprobs"])
 def test_switched_off_by_the_environment(fresh_loader, monkeypatch, wrapper):
