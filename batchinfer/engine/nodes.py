@@ -172,23 +172,23 @@ class NodeGroup:
                 raise NodeMismatch(verdict)
             return
         keys = [f"{IDENTITY}{r}" for r in range(1, self.count)]
-        deadline = time.monotonic() + WAIT_FOR_IDENTITIES_S
-        said = False
+
+        def missing() -> str:
+            return ", ".join(str(r) for r, key in enumerate(keys, 1) if not store.check([key]))
+
+        start, said = time.monotonic(), False
         with _interruptible("waiting for the other nodes to say which engine they run"):
             while not store.check(keys):
-                if not said and time.monotonic() > deadline - WAIT_FOR_IDENTITIES_S + 2:
-                    missing = [r for r, k in enumerate(keys, 1) if not store.check([k])]
-                    print(f"batchinfer: waiting for node(s) {', '.join(map(str, missing))} to "
-                          f"join (up to {WAIT_FOR_IDENTITIES_S:.0f} s)", file=sys.stderr,
-                          flush=True)
+                waited = time.monotonic() - start
+                if waited > 2 and not said:
+                    print(f"batchinfer: waiting for node(s) {missing()} to join (up to "
+                          f"{WAIT_FOR_IDENTITIES_S:.0f} s)", file=sys.stderr, flush=True)
                     said = True
                 if left := self.left():
                     raise ConnectionError(f"node {min(left)} left before the engine started")
-                if time.monotonic() > deadline:
-                    missing = [r for r, k in enumerate(keys, 1) if not store.check([k])]
-                    raise TimeoutError(f"node(s) {', '.join(map(str, missing))} did not say "
-                                       f"which engine they run within "
-                                       f"{WAIT_FOR_IDENTITIES_S:.0f} s")
+                if waited > WAIT_FOR_IDENTITIES_S:
+                    raise TimeoutError(f"node(s) {missing()} did not say which engine they "
+                                       f"run within {WAIT_FOR_IDENTITIES_S:.0f} s")
                 time.sleep(0.05)
         differences = []
         for r, key in enumerate(keys, 1):
