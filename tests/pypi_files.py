@@ -14,7 +14,7 @@ def pypi_download(pytestconfig, folder: str, requirement: str, *, sdist: bool = 
                   pattern: str) -> Path:
     """The file matching `pattern` that `pip download requirement` (a wheel, or with sdist
     the source distribution) puts in the cache folder `folder`, fetched once."""
-    cache = pytestconfig.cache.mkdir(folder) if pytestconfig.cache else None
+    cache = pytestconfig.cache.mkdir(folder) if getattr(pytestconfig, "cache", None) else None
     if cache is None:
         pytest.skip(f"pytest's cache is disabled (-p no:cacheprovider): nowhere to keep "
                     f"{requirement}")

@@ -151,31 +151,10 @@ def mask_walk(compiler, constraint: str | dict, text: str,
 
 def random_walk(compiler, constraint: str | dict, steps: int,
                 seed: int = 0) -> tuple[float, int, str | None]:
-    """(mask seconds in all, masks computed, the matcher's error) of generating up to
-    `steps` tokens under the constraint, each drawn uniformly from the tokens its mask
-    allows (the end-of-sequence tokens only where nothing else is)."""
-    import random
-
-    import numpy as np
-
-    from batchinfer.structured.grammar import GrammarMatcher
-    compiled = compiler.compile(constraint_params(constraint).grammar_text())
-    rng = random.Random(seed)
-    row = np.empty(-(-compiler.vocab_size // 32), dtype=np.int32)
-    matcher = GrammarMatcher(compiled)
-    eos = frozenset(compiler.eos_token_ids)
-    generated: list[int] = []
-    spent = 0.0
-    for step in range(steps):
-        start = time.perf_counter()
-        matcher.fill(generated, eos, row)
-        spent += time.perf_counter() - start
-        allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))
-        allowed = [t for t in allowed.tolist() if t not in eos]
-        if matcher.error is not None or not allowed:
-            return spent, step + 1, matcher.error
-        generated.append(rng.choice(allowed))
-    return spent, steps, None
+    """grammar.random_walk under a regex (a str) or a JSON schema."""
+    from batchinfer.structured import grammar
+    return grammar.random_walk(compiler, constraint_params(constraint).grammar_text(), steps,
+                               seed)
 
 
 CHOICES = {"choice-3": ["positive", "negative", "neutral"],

@@ -190,8 +190,9 @@ def run_data_parallel(options: JobOptions, out: TextIO | None = None,
     out, err = out or sys.stdout, err or sys.stderr
     options.validate()  # a mistake ends the run before any process starts
     check(options)
-    from batchinfer.job.runner import check_model
+    from batchinfer.job.runner import check_constraint, check_model
     check_model(options.model, options.tokenizer)
+    check_constraint(options)
     launch = _Launch(options, err)
     handled = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
     previous = {sig: signal.signal(sig, launch.on_signal) for sig in handled}

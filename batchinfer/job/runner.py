@@ -106,6 +106,33 @@ def check_model(model: str, tokenizer: str | None) -> None:
         raise JobError(f"--tokenizer: {e}") from None
 
 
+def check_constraint(options: JobOptions) -> None:
+    """Fail fast (before the model loads) when the job's regex, JSON schema or grammar
+    reaches one of llguidance's bounds in a few random completions under the model's
+    tokenizer: its rows share the compiled grammar, so each of them would fail."""
+    constraint = options.sampling_params().structured_outputs
+    if constraint is None or constraint.choice is not None:
+        return
+    from batchinfer.demo import resolve_model
+    from batchinfer.model.loader import hf_tokenizer, resolve_model_path, resolve_tokenizer_path
+    from batchinfer.structured.grammar import GrammarCompiler, probe
+    path = resolve_tokenizer_path(options.tokenizer) if options.tokenizer is not None \
+        else resolve_model_path(resolve_model(options.model))
+    tokenizer = hf_tokenizer(path, bool(options.trust_remote_code))
+    eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), eos)
+    try:
+        error = probe(compiler, constraint.grammar_text())
+    except ValueError as e:
+        error = str(e)
+    if error is not None:
+        name = next(f for f, v in (("--regex", options.regex), ("--grammar", options.grammar),
+                                   ("--json-schema", options.json_schema)) if v is not None) \
+            if not options.json_object else "--json-object"
+        raise JobError(f"{name}: generating under it reaches a bound of the constrained "
+                       f"decoding ({error}), so every row would fail; simplify it")
+
+
 @dataclass
 class JobResult:
     exit_code: int
@@ -190,6 +217,7 @@ def open_job(options: JobOptions, engine_factory: EngineFactory | None
     loaded nor OUTDIR locked."""
     if engine_factory is None:
         check_model(options.model, options.tokenizer)
+        check_constraint(options)
         engine_factory = load_engine
     source = open_input(options.input, options.split, output=options.output,
                         max_row_bytes=options.max_row_bytes)

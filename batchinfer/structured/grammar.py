@@ -21,6 +21,9 @@ LIMITS = dict(max_grammar_size=500_000, initial_lexer_fuel=1_000_000,
 MAX_SPEC_CHARS = 1_000_000  # a regex, schema (as JSON text) or grammar
 MAX_JSON_DEPTH = 64  # a schema's JSON nesting
 MAX_COMPILED = 16  # distinct grammars an engine keeps compiled (with their lexers)
+# a grammar probed before a job's model loads: random completions of up to PROBE_STEPS
+# tokens, PROBE_WALKS of them or PROBE_SECONDS of masks, whichever ends first
+PROBE_WALKS, PROBE_STEPS, PROBE_SECONDS = 4, 64, 10.0
 
 
 def _limits():
@@ -251,6 +254,47 @@ class MaskExecutor:
                                                mask.shape[0])
         for matcher, i in matchers:
             matcher.masked(eos_token_ids, mask[i])
+
+
+def random_walk(compiler: GrammarCompiler, grammar: str, steps: int,
+                seed: int = 0) -> tuple[float, int, str | None]:
+    """(mask seconds in all, masks computed, the matcher's error) of generating up to
+    `steps` tokens under a grammar (a grammar_text), each drawn uniformly from the tokens
+    its mask allows (the end-of-sequence tokens only where nothing else is)."""
+    import random
+    import time
+    rng = random.Random(seed)
+    row = np.empty(-(-compiler.vocab_size // 32), dtype=np.int32)
+    matcher = GrammarMatcher(compiler.compile(grammar))
+    eos = frozenset(compiler.eos_token_ids)
+    generated: list[int] = []
+    spent = 0.0
+    for step in range(steps):
+        start = time.perf_counter()
+        matcher.fill(generated, eos, row)
+        spent += time.perf_counter() - start
+        allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))
+        allowed = [t for t in allowed.tolist() if t not in eos]
+        if matcher.error is not None or not allowed:
+            return spent, step + 1, matcher.error
+        generated.append(rng.choice(allowed))
+    return spent, steps, None
+
+
+def probe(compiler: GrammarCompiler, grammar: str) -> str | None:
+    """The bound a few random completions under a grammar reach (llguidance's reason), or
+    None. A grammar's lexer is shared by all its completions, so a bound one reaches is
+    soon the bound of every one: a job with such a constraint for all its rows would fail
+    each of them (a nested counted repeat such as ((a{0,1000}){0,1000}){0,1000} does)."""
+    spent = 0.0
+    for seed in range(PROBE_WALKS):
+        seconds, _, error = random_walk(compiler, grammar, PROBE_STEPS, seed)
+        if error is not None:
+            return error
+        spent += seconds
+        if spent > PROBE_SECONDS:
+            break
+    return None
 
 
 def set_tokens(row: np.ndarray, token_ids) -> None:

@@ -220,6 +220,7 @@ def assert_fatal(result, *words: str) -> None:
     (["--json-schema", "{oops"], ["--json-schema", "not valid JSON"]),
     (["--json-schema", "@/nonexistent/schema.json"], ["--json-schema", "cannot read"]),
     (["--regex", "a" * (MAX_SPEC_CHARS + 1)], ["--regex", f"(limit {MAX_SPEC_CHARS})"]),
+    (["--regex", HOSTILE_REGEX], ["--regex", "reaches a bound", "too many expressions"]),
     (["--json-schema", json.dumps(DEEPER)],
      ["--json-schema", f"nesting deeper than {MAX_JSON_DEPTH}"]),
     (["--chat-template", "BAD_TEMPLATE"], ["--chat-template", "line 1"]),

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from batchinfer import LLM, SamplingParams, StructuredOutputsParams
-from batchinfer.bench.structured import HOSTILE, random_walk
+from batchinfer.bench.structured import HOSTILE, REALISTIC, constraint_params, random_walk
 from batchinfer.structured import grammar
-from batchinfer.structured.grammar import MAX_JSON_DEPTH, MAX_SPEC_CHARS, GrammarMatcher
+from batchinfer.structured.grammar import (MAX_JSON_DEPTH, MAX_SPEC_CHARS, PROBE_SECONDS,
+                                           GrammarCompiler, GrammarMatcher, probe)
 
 HOSTILE_REGEX = HOSTILE["nested-counted-regex"]
 BOMBS = {**HOSTILE, "nested-counted-3": "((a{1,1000}){1,1000}b?){2,1000}",
@@ -129,3 +130,21 @@ def test_random_walks_are_reproducible(llm):
     first = random_walk(compiler, r"[a-c]{0,30}", 20, seed=random.Random(4).randint(0, 9))
     again = random_walk(compiler, r"[a-c]{0,30}", 20, seed=random.Random(4).randint(0, 9))
     assert first[1:] == again[1:]
+
+
+def test_the_probe_before_a_job_finds_the_regex_bomb_and_passes_the_realistic(llm):
+    """grammar.probe, which a job runs on its constraint before the model loads: the
+    nested counted regex reaches llguidance's bound on the lexer; the realistic schemas
+    and the other hostile constraints, within their bounds, do not."""
+    engine = llm.llm_engine
+    constraints = {**{name: schema for name, (schema, _) in REALISTIC.items()}, **HOSTILE}
+    for name, constraint in constraints.items():
+        compiler = GrammarCompiler(engine.tokenizer, engine.model_config.vocab_size,
+                                   engine.eos_token_ids)  # (a lexer of its own)
+        start = time.perf_counter()
+        error = probe(compiler, constraint_params(constraint).grammar_text())
+        assert time.perf_counter() - start < 2 * PROBE_SECONDS
+        if name == "nested-counted-regex":
+            assert error is not None and "too many expressions" in error
+        else:
+            assert error is None, (name, error)
