@@ -11,9 +11,10 @@ scales expanded to one row per output feature) and K for per-channel or per-tens
 - 8.9 and above (Ada, Hopper, Blackwell: FP8 tensor cores): the activations are quantized
   to FP8, per token and, for block-scaled weights, per group of group_size columns
   (`quantize_activations`), then multiplied in FP8:
-  - per-channel weights with bfloat16/float16 x and K, N multiples of 16: torch._scaled_mm
-    with row-wise scales (cuBLAS/CUTLASS);
-  - otherwise `w8a8_matmul`: each BLOCK_K slice of a group is multiplied in FP8, and its
+  - per-channel weights with bfloat16 x and K, N multiples of 16 on 9.x and 10.x (Hopper,
+    data-centre Blackwell): torch._scaled_mm with row-wise scales (CUTLASS), whose output
+    is bfloat16 only, and which has no 8.9 kernel before torch 2.7;
+  - otherwise (float16 or float32 x, 8.9, block scales) `w8a8_matmul`: each BLOCK_K slice of a group is multiplied in FP8, and its
     float32 result is scaled by x_scale[m, g] * w_scale[n, g] before it is added up (as
     vLLM's w8a8_block_fp8_matmul does).
 - below 8.9 (Ampere, Turing: no FP8 in the tensor cores, and no float8e4nv type in Triton
@@ -393,8 +394,9 @@ def select_path(capability: tuple[int, int] | None, dtype: torch.dtype, n: int, 
         return "w8a8"
     if tuple(capability) < (8, 9):
         return "w8a16"
-    # _scaled_mm's row-wise scaling: one scale per row of each operand, 16-aligned K and N
-    if num_groups == 1 and dtype in (torch.bfloat16, torch.float16) \
+    # _scaled_mm's row-wise scaling: one scale per row of each operand, 16-aligned K and N,
+    # a bfloat16 result, and a kernel for the architecture in every torch batchinfer takes
+    if num_groups == 1 and dtype == torch.bfloat16 and capability[0] in (9, 10) \
             and k % 16 == 0 and n % 16 == 0:
         return "scaled_mm"
     return "w8a8"

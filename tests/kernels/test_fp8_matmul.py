@@ -242,16 +242,34 @@ def test_linear_with_a_static_input_scale():
                   input_scale=input_scale).shape == (1, m, n)
 
 
-def test_select_path():
+# select_path's choice by compute capability (rows) and x's dtype (columns), for
+# per-channel scales and 16-aligned K and N. torch._scaled_mm's row-wise scaling writes
+# bfloat16 only, and has no kernel for 8.9 in the torch versions batchinfer supports.
+PATHS = {
+    #          bfloat16     float16  float32
+    (7, 5):  ("w8a16",     "w8a16", "w8a16"),
+    (8, 0):  ("w8a16",     "w8a16", "w8a16"),
+    (8, 6):  ("w8a16",     "w8a16", "w8a16"),
+    (8, 9):  ("w8a8",      "w8a8",  "w8a8"),
+    (9, 0):  ("scaled_mm", "w8a8",  "w8a8"),
+    (10, 0): ("scaled_mm", "w8a8",  "w8a8"),
+    (12, 0): ("w8a8",      "w8a8",  "w8a8"),
+}
+
+
+@pytest.mark.parametrize("capability", PATHS, ids=str)
+def test_select_path_by_capability_and_dtype(capability):
+    dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    got = tuple(select_path(capability, dtype, 4096, 4096, 1) for dtype in dtypes)
+    assert got == PATHS[capability]
+
+
+def test_select_path_needs_per_channel_scales_and_aligned_shapes():
     bf16 = torch.bfloat16
-    assert select_path((8, 0), bf16, 4096, 4096, 1) == "w8a16"
-    assert select_path((7, 5), bf16, 4096, 4096, 32) == "w8a16"
-    assert select_path((8, 9), bf16, 4096, 4096, 1) == "scaled_mm"
-    assert select_path((9, 0), torch.float16, 4096, 4096, 1) == "scaled_mm"
     assert select_path((9, 0), bf16, 4096, 4096, 32) == "w8a8"      # block scales
     assert select_path((9, 0), bf16, 200, 4096, 1) == "w8a8"        # N not 16-aligned
     assert select_path((9, 0), bf16, 4096, 4104, 1) == "w8a8"       # K not 16-aligned
-    assert select_path((9, 0), torch.float32, 4096, 4096, 1) == "w8a8"
+    assert select_path((8, 0), bf16, 4096, 4096, 32) == "w8a16"
     assert select_path(None, bf16, 4096, 4096, 1) == "w8a8"         # the interpreter
 
 
