@@ -1,15 +1,39 @@
 """Checks and small helpers shared by the kernel launchers."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..fp8 import FP8_DTYPE
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
+# Shared memory one program may use (the opt-in limit per block, which Triton checks at
+# launch), in bytes, by the GPUs Triton supports (compute capability 8.0 and above).
+SHARED_MEMORY_BYTES = {
+    "sm_80 (A100)": 163 * 1024,
+    "sm_86, sm_89, sm_120 (RTX, L4, L40)": 99 * 1024,
+    "sm_90 (H100, H200)": 227 * 1024,
+    "sm_100 (B200)": 227 * 1024,
+}
+# What the launchers plan for where the device does not say: the smallest of those, so
+# the interpreter runs the tiles such a GPU would.
+DEFAULT_SHARED_MEMORY_BYTES = 99 * 1024
+
 
 def next_power_of_2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
+
+
+@functools.lru_cache(maxsize=None)
+def shared_memory_bytes(device: torch.device) -> int:
+    """The shared memory one program may use on `device` (DEFAULT_SHARED_MEMORY_BYTES
+    off CUDA)."""
+    if device.type != "cuda":
+        return DEFAULT_SHARED_MEMORY_BYTES
+    props = torch.cuda.get_device_properties(device)
+    return getattr(props, "shared_memory_per_block_optin", DEFAULT_SHARED_MEMORY_BYTES)
 
 
 def is_interpreted(kernel: object) -> bool:

@@ -17,11 +17,15 @@ import triton
 import triton.language as tl
 
 from .. import fp8
-from ._launch import check_inputs, dot_settings, next_power_of_2
+from ._launch import check_inputs, dot_settings, next_power_of_2, shared_memory_bytes
 from ._paged import load_kv_tile, online_softmax_step, soft_cap
 
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
+# (BLOCK_N, num_stages) in order of preference: the first whose tiles fit is taken.
+TILE_CHOICES = ((64, 3), (64, 2), (32, 3), (32, 2), (16, 2))
+# Shared memory the compiler may take beyond the tiles (layout conversions, reductions).
+SHARED_MEMORY_SLACK = 8 * 1024
 
 
 # Arguments whose values change from step to step are not specialised on (Triton would
@@ -167,6 +171,36 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
 
+def decode_shared_memory(block_n: int, num_stages: int, head_dim: int, group: int,
+                         cache_bytes: int, dot_bytes: int) -> int:
+    """Bytes of shared memory the decode kernel's tiles take (an upper bound): num_stages
+    K and V tiles of [BLOCK_N, D_PAD] cache elements in flight, an FP8 cache's tiles again
+    once converted to the dot's type, and the query and probability tiles staged for
+    tl.dot. cache_bytes / dot_bytes: element sizes of the cache and of the query."""
+    d_pad = next_power_of_2(head_dim)
+    g_pad = max(16, next_power_of_2(group))
+    kv = 2 * block_n * d_pad
+    total = num_stages * kv * cache_bytes
+    if cache_bytes != dot_bytes:
+        total += kv * dot_bytes
+    return total + g_pad * (d_pad + block_n) * dot_bytes
+
+
+def decode_tile_sizes(head_dim: int, group: int, cache_bytes: int, dot_bytes: int,
+                      shared_memory: int, block_n: int | None = None) -> tuple[int, int]:
+    """(BLOCK_N, num_stages): the first of TILE_CHOICES (with BLOCK_N = block_n when given)
+    whose tiles (decode_shared_memory) leave SHARED_MEMORY_SLACK of `shared_memory`. Wide
+    heads and float32 get narrower tiles and fewer stages; the block size does not enter,
+    as tiles need not line up with blocks."""
+    choices = TILE_CHOICES if block_n is None else [(block_n, s) for s in (3, 2, 1)]
+    for n, stages in choices:
+        if decode_shared_memory(n, stages, head_dim, group, cache_bytes, dot_bytes) \
+                + SHARED_MEMORY_SLACK <= shared_memory:
+            return n, stages
+    raise ValueError(f"decode tiles for head_dim={head_dim} with {cache_bytes}-byte cache "
+                     f"elements do not fit {shared_memory} bytes of shared memory")
+
+
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device; 1 elsewhere."""
     if device.type == "cuda":
@@ -187,8 +221,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     seq_lens[i] - 1 and its K/V are already in the cache. Grid: (num_seqs, num_kv_heads,
     num_splits) where num_splits comes from choose_num_splits unless given; with more than
     one split the partials are merged by merge_split_kv. Each program walks its range in
-    tiles of block_n keys (default max(64, block_size)), looking up the block of every key,
-    so tiles need not line up with blocks.
+    tiles of block_n keys (default: decode_tile_sizes for the device's shared memory),
+    looking up the block of every key, so tiles need not line up with blocks.
     `scratch` (e.g. the step's AttentionMetadata.cache) keeps the partial buffers across
     layers. An FP8 cache's keys and values are read times k_scale and v_scale. softcap:
     scores (after the scale) become softcap * tanh(scores / softcap). Returns
@@ -217,8 +251,9 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, sm_count(query.device))
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
-    if block_n is None:
-        block_n = max(64, k_cache.shape[1])
+    block_n, num_stages = decode_tile_sizes(head_dim, group, k_cache.element_size(),
+                                            query.element_size(),
+                                            shared_memory_bytes(query.device), block_n)
     dot_f32, precision = dot_settings(_paged_decode_kernel, query.dtype)
     d_pad = next_power_of_2(head_dim)
     split = num_splits > 1
@@ -244,7 +279,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         HEAD_DIM=head_dim, D_PAD=d_pad, GROUP=group, G_PAD=max(16, next_power_of_2(group)),
         BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n, USE_WINDOW=sliding_window is not None,
         SOFTCAP=softcap is not None, SPLIT=split, DOT_F32=dot_f32, DOT_PRECISION=precision, FP8=from_fp8,
-        num_warps=4,
+        num_warps=4, num_stages=num_stages,
     )
     if split:
         merge_split_kv(out, part_acc, part_max, part_sum)

@@ -11,7 +11,10 @@ import os
 import pytest
 import torch
 
-from batchinfer.kernels.triton.decode import choose_num_splits, paged_decode_attention
+from batchinfer.kernels.triton import decode
+from batchinfer.kernels.triton._launch import SHARED_MEMORY_BYTES
+from batchinfer.kernels.triton.decode import (
+    SHARED_MEMORY_SLACK, choose_num_splits, decode_shared_memory, paged_decode_attention)
 from batchinfer.kernels.triton.kv_write import write_kv
 from batchinfer.kernels.triton.prefill import paged_prefill_attention, plan_prefill_tiles
 from reference import ref_decode_attention, ref_prefill_attention, ref_write_kv
@@ -171,6 +174,59 @@ def test_default_tile_sizes_and_noncontiguous_query(paged_batch):
     ref = ref_prefill_attention(b.query, b.k_cache, b.v_cache, m.block_tables, m.seq_lens,
                                 m.query_start_loc, SCALE)
     torch.testing.assert_close(out.float(), ref, **TOLERANCES[torch.float16])
+
+
+# The head sizes of the models batchinfer runs, and the (query, cache) dtypes.
+HEAD_DIMS = (64, 80, 96, 112, 128, 192, 256)
+DECODE_DTYPES = {"float32": (torch.float32, torch.float32),
+                 "bfloat16": (torch.bfloat16, torch.bfloat16),
+                 "float16": (torch.float16, torch.float16),
+                 "fp8-kv-bfloat16": (torch.bfloat16, torch.float8_e4m3fn),
+                 "fp8-kv-float32": (torch.float32, torch.float8_e4m3fn)}
+
+
+@pytest.mark.parametrize("gpu", SHARED_MEMORY_BYTES, ids=str)
+def test_decode_tiles_fit_shared_memory(monkeypatch, gpu):
+    """The decode launcher's tiles (BLOCK_N, num_stages), for every head size, block size
+    and dtype, fit each GPU's shared memory. Only the launch is recorded: nothing runs."""
+    limit = SHARED_MEMORY_BYTES[gpu]
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(kwargs)
+
+    monkeypatch.setattr(decode, "_paged_decode_kernel", Recorder())
+    monkeypatch.setattr(decode, "check_inputs", lambda *args, **kwargs: None)
+    monkeypatch.setattr(decode, "shared_memory_bytes", lambda device: limit)
+    for head_dim, block_size, (name, (dtype, cache_dtype)), group in itertools.product(
+            HEAD_DIMS, (16, 32, 64, 128), DECODE_DTYPES.items(), (1, 8)):
+        query = torch.zeros(1, group, head_dim, dtype=dtype)
+        cache = torch.zeros(2, block_size, 1, head_dim, dtype=cache_dtype)
+        paged_decode_attention(query, cache, cache, torch.zeros(1, 1, dtype=torch.int32),
+                               torch.ones(1, dtype=torch.int32), SCALE, num_splits=1)
+        kw = launches.pop()
+        # Triton pipelines 3 stages unless told otherwise
+        used = decode_shared_memory(kw["BLOCK_N"], kw.get("num_stages", 3), head_dim, group,
+                                    cache.element_size(), query.element_size())
+        assert kw["BLOCK_N"] >= 16
+        assert used + SHARED_MEMORY_SLACK <= limit, (gpu, head_dim, block_size, name, group,
+                                                     kw["BLOCK_N"], used)
+
+
+@pytest.mark.parametrize("dtype, head_dim, block_size", [(torch.float32, 256, 128),
+                                                         (torch.bfloat16, 256, 32),
+                                                         (torch.float16, 192, 64)], ids=str)
+def test_decode_default_tiles_for_wide_heads(paged_batch, dtype, head_dim, block_size):
+    """Gemma's head_dim 256 and large blocks, with the tiles the launcher picks."""
+    b = paged_batch([1, 37, 140], [1, 1, 1], block_size=block_size, num_kv_heads=1, group=2,
+                    head_dim=head_dim, dtype=dtype, seed=5)
+    m = b.meta
+    ref = ref_decode_attention(b.query, b.k_cache, b.v_cache, m.block_tables, m.seq_lens, SCALE)
+    for num_splits in (1, 2):
+        out = paged_decode_attention(b.query, b.k_cache, b.v_cache, m.block_tables,
+                                     m.seq_lens, SCALE, num_splits=num_splits)
+        torch.testing.assert_close(out.float(), ref, **TOLERANCES[dtype])
 
 
 def test_prefill_tile_plan():
