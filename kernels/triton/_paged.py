@@ -27,18 +27,22 @@ def fp8_to_float(code):
 def float_to_fp8(x, scale):
     """E4M3 codes (uint8) of float32 x / scale, clamped to [-448, 448] (NaN stays NaN) and
     rounded to nearest even, as torch's (x / scale).clamp(-448, 448).to(float8_e4m3fn).
-    Normals round in the float32 bits (the rounding bias added below the 3 kept mantissa
-    bits); below 2^-6, m * 2^-9 with m = |x| * 2^9 rounded to an integer by adding 2^23."""
-    y = x / scale
+    The division is IEEE (div_rn: `/` is an approximation on NVIDIA GPUs). Normals round in
+    the float32 bits (the rounding bias added below the 3 kept mantissa bits); below 2^-6,
+    m * 2^-9 with m = |x| * 2^9 rounded to an integer by adding 2^23. NaN and the sign are
+    read from the quotient's bits before the clamp, which a compiler may turn into a
+    min/max that drops NaN."""
+    y = tl.math.div_rn(x, scale)
+    bits = y.to(tl.int32, bitcast=True)
+    is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
     y = tl.where(y > 448.0, 448.0, tl.where(y < -448.0, -448.0, y))
-    u = y.to(tl.int32, bitcast=True)
-    a = u & 0x7FFFFFFF
+    a = y.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - 0x3C0
     t = a.to(tl.float32, bitcast=True) * 512.0 + 8388608.0
     sub = t.to(tl.int32, bitcast=True) - 0x4B000000
     code = tl.where(a >= 0x3C800000, normal, sub)
-    code = tl.where(a > 0x7F800000, 0x7F, code)
-    code = tl.where(u < 0, code | 0x80, code)
+    code = tl.where(is_nan, 0x7F, code)
+    code = tl.where(bits < 0, code | 0x80, code)
     return code.to(tl.uint8)
 
 

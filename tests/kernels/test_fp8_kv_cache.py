@@ -87,6 +87,29 @@ def test_triton_conversions_are_torchs(device, scale):
     assert torch.equal(values.signbit(), want.signbit())  # -0.0 (0x80) included
 
 
+# (float32 bits, scale, code): NaN of either sign and any payload stays NaN (0x7f, 0xff);
+# infinities, huge values and quotients past 448 saturate to +-448 (0x7e, 0xfe).
+SPECIALS = [(0x7FC00000, 1.0, 0x7F), (0xFFC00000, 1.0, 0xFF), (0x7F800001, 0.5, 0x7F),
+            (0xFFFFFFFF, 3.0, 0xFF), (0x7F800000, 1.0, 0x7E), (0xFF800000, 0.37, 0xFE),
+            (0x7F7FFFFF, 1.0, 0x7E), (0xFF7FFFFF, 3.0, 0xFE), (0x43C80000, 0.5, 0x7E),
+            (0xC3C80000, 0.5, 0xFE), (0x43E00000, 1.0, 0x7E), (0x43DC0000, 1.0, 0x7E),
+            (0x7F000000, 1e-30, 0x7E)]
+
+
+# (the interpreter's numpy warns of the overflows and NaN quotients)
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("bits, scale, code", SPECIALS, ids=lambda v: f"{v:#x}"
+                         if isinstance(v, int) else str(v))
+def test_triton_write_conversion_specials(device, bits, scale, code):
+    x = torch.tensor([bits], dtype=torch.int64).to(torch.int32).view(torch.float32)
+    x = x.to(device).expand(16).contiguous()
+    codes = torch.empty(16, dtype=torch.uint8, device=device)
+    _to_fp8_kernel[(1,)](x, codes, scale, 16, BLOCK=16)
+    assert codes.tolist() == [code] * 16
+    assert same_codes(codes, to_fp8(x, scale))
+
+
 @pytest.fixture(scope="module")
 def rope_write(built_or_skip):
     return cpu.rope.RopeKernel(built_or_skip(cpu.rope, "the CPU rope op"))
