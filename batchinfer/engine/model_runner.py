@@ -1,7 +1,8 @@
 """Executes a step plan: builds the batch's tensors once, runs the model, samples.
 
-It keeps its own copy of each request's tokens and a persistent block-table row per
-running request, updated from the plan's deltas, so a step touches only what changed.
+The running requests' tokens, block tables and sampling settings are rows of the input
+batch (input_batch.py), updated from the plan's deltas and the sampled tokens, so a step
+gathers its inputs with array operations rather than a loop over its requests.
 With tensor parallelism only rank 0's runner samples; the other ranks' take its tokens
 with the next plan (batchinfer/engine/tensor_parallel.py). With pipeline parallelism the
 last stage's first rank samples and shares the step's output with every rank at once
@@ -21,6 +22,7 @@ from batchinfer.attention import AttentionMetadata, get_attention_backend
 from batchinfer.config import EngineConfig
 from batchinfer.engine.cuda_graphs import DecodeGraphs, capture_sizes, captures_decode_graphs
 from batchinfer.engine.host_memory import KVPagePopulator, keep_freed_memory
+from batchinfer.engine.input_batch import InputBatch, StepInputs, query_positions
 from batchinfer.engine.sampler import Sampler, SamplingBatch, logprobs
 from batchinfer.engine.scheduler import RunnerOutput, SchedulerOutput
 from batchinfer.kernels.cpu import build as cpu_build
@@ -39,18 +41,17 @@ CPU_DEFAULT_KV_BYTES = 4 << 30
 
 @dataclass
 class RunnerRequest:
-    token_ids: list[int]
-    num_prompt_tokens: int
+    """What the runner keeps of a request besides its input-batch row (its tokens and
+    blocks): its parameters and the objects made from them."""
     params: SamplingParams
     generator: torch.Generator | None
-    row: int = -1
-    num_blocks: int = 0
 
     def __post_init__(self) -> None:
         p = self.params
         # argmax is all this request ever needs from the sampler
         self.plain_greedy = (p.greedy and not p.uses_penalties and p.logprobs is None
                              and not p.min_tokens and not p.constrained)
+        self.structured = bool(p.choice_token_ids) or p.compiled_grammar is not None
         self._constraint_tensors = None
 
     @cached_property
@@ -133,9 +134,8 @@ class ModelRunner:
             self.kv_caches[0][0][0].nbytes, self.num_blocks) if device.type == "cpu" else None
         self.max_model_len = min(max_model_len, self.num_blocks * self.block_size)
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
-        # int32, as the attention backends take it: a step's slice needs no conversion
-        self.block_table = np.zeros((config.max_num_seqs, self.max_blocks_per_seq), dtype=np.int32)
-        self.free_rows = list(range(config.max_num_seqs - 1, -1, -1))
+        self.input_batch = InputBatch(config.max_num_seqs, self.max_model_len,
+                                      self.max_blocks_per_seq, self.block_size)
         self.requests: dict[str, RunnerRequest] = {}
         self.scoring: set[str] = set()  # the requests asking prompt logprobs
         gen = torch.Generator(device=device).manual_seed(config.seed)
@@ -194,7 +194,7 @@ class ModelRunner:
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         positions = torch.arange(n, device=self.device) % self.model.config.max_position_embeddings
         starts, num_new = np.array([0]), np.array([n])
-        qsl, slot_positions = self._positions(starts, num_new)
+        qsl, slot_positions = query_positions(starts, num_new)
         meta = self._metadata(starts, num_new, qsl, slot_positions,
                               np.arange(probe_blocks, dtype=np.int32)[None, :], 0)
         with torch.inference_mode():
@@ -221,51 +221,36 @@ class ModelRunner:
         return [(cache[i, 0], cache[i, 1]) for i in range(self.num_layers)]
 
     # ---- plan bookkeeping ------------------------------------------------------------
-    def _update_states(self, plan: SchedulerOutput) -> None:
+    def _update_states(self, plan: SchedulerOutput) -> np.ndarray:
+        """Bring the input batch and the runner's requests up to the plan; returns the
+        batch rows of the plan's requests, in num_scheduled_tokens' order."""
+        batch = self.input_batch
         for req_id in plan.finished_req_ids:
-            state = self.requests.pop(req_id, None)
+            self.requests.pop(req_id, None)
             self.scoring.discard(req_id)
-            if state is not None and state.row >= 0:
-                self.free_rows.append(state.row)
+            batch.remove(req_id)
         for req_id in plan.preempted_req_ids:
-            state = self.requests.get(req_id)
-            if state is not None and state.row >= 0:
-                self.free_rows.append(state.row)
-                state.row = -1
+            batch.remove(req_id)
         for new in plan.new_requests:
             state = self.requests.get(new.req_id)
             if state is None:
                 seed = new.params.seed
                 gen = (torch.Generator(device=self.device).manual_seed(seed)
                        if seed is not None and self.samples else None)
-                state = RunnerRequest(list(new.token_ids), new.num_prompt_tokens, new.params, gen)
-                self.requests[new.req_id] = state
+                state = self.requests[new.req_id] = RunnerRequest(new.params, gen)
                 if new.params.prompt_logprobs is not None:
                     self.scoring.add(new.req_id)
-            else:
-                state.token_ids = list(new.token_ids)
-            state.row = self.free_rows.pop()
-            state.num_blocks = len(new.block_ids)
-            self.block_table[state.row, :state.num_blocks] = new.block_ids
+            batch.add(new.req_id, new.token_ids, new.num_prompt_tokens,
+                      new.num_computed_tokens, new.block_ids, new.params,
+                      needs_sampler=not state.plain_greedy, structured=state.structured)
         cached = plan.cached_requests
-        for req_id, block_ids in zip(cached.req_ids, cached.new_block_ids):
+        rows = batch.rows(plan.num_scheduled_tokens)
+        cached_rows = rows[:len(cached.req_ids)]  # the cached requests come first
+        batch.num_computed_tokens[cached_rows] = cached.num_computed_tokens
+        for i, block_ids in enumerate(cached.new_block_ids):
             if block_ids:
-                state = self.requests[req_id]
-                end = state.num_blocks + len(block_ids)
-                self.block_table[state.row, state.num_blocks:end] = block_ids
-                state.num_blocks = end
-
-    @staticmethod
-    def _positions(starts: np.ndarray, num_new: np.ndarray,
-                   all_decode: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """(query_start_loc, position of every new token) for requests that compute
-        num_new tokens from position starts (all_decode: every num_new is 1)."""
-        if all_decode:
-            return np.arange(len(num_new) + 1, dtype=np.int64), starts
-        qsl = np.zeros(len(num_new) + 1, dtype=np.int64)
-        np.cumsum(num_new, out=qsl[1:])
-        positions = np.arange(qsl[-1], dtype=np.int64) + np.repeat(starts - qsl[:-1], num_new)
-        return qsl, positions
+                batch.append_blocks(int(cached_rows[i]), block_ids)
+        return rows
 
     def _slots(self, block_tables: np.ndarray, num_new: np.ndarray,
                positions: np.ndarray) -> np.ndarray:
@@ -302,53 +287,37 @@ class ModelRunner:
             self.plan_sink(plan, self.unsent_tokens if self.samples else sampled)
             self.unsent_tokens = ([], [])
         self._append_sampled(*sampled)
-        self._update_states(plan)
-        starts_by_id = dict(zip(plan.cached_requests.req_ids,
-                                plan.cached_requests.num_computed_tokens))
-        starts_by_id.update((n.req_id, n.num_computed_tokens) for n in plan.new_requests)
+        rows = self._update_states(plan)
         sched = plan.num_scheduled_tokens
-        # decodes first, shortest context first (the attention backends group by length)
-        decodes, others = [], []
-        for req_id, n in sched.items():
-            (decodes if n == 1 else others).append(req_id)
-        decodes.sort(key=starts_by_id.__getitem__)
-        order = decodes + others
-        states = [self.requests[r] for r in order]
-        start_list = [starts_by_id[r] for r in order]
-        input_ids: list[int] = []
-        for state, start in zip(states[:len(decodes)], start_list):
-            input_ids.append(state.token_ids[start])
-        for state, start, req_id in zip(states[len(decodes):], start_list[len(decodes):], others):
-            input_ids.extend(state.token_ids[start:start + sched[req_id]])
-        starts = np.array(start_list, dtype=np.int64)
-        num_new = np.ones(len(order), dtype=np.int64)
-        num_new[len(decodes):] = [sched[r] for r in others]
-        qsl, positions = self._positions(starts, num_new, all_decode=not others)
-        rows = np.array([s.row for s in states], dtype=np.int64)
-        max_blocks = -(-int((starts + num_new).max()) // self.block_size)
-        block_tables = self.block_table[rows, :max_blocks]
+        step = self.input_batch.prepare(
+            rows, np.fromiter(sched.values(), dtype=np.int64, count=len(sched)))
+        starts, num_new, qsl, positions = (step.starts, step.num_new, step.query_start_loc,
+                                           step.positions)
+        block_tables = step.block_tables
         if self.kv_pages is not None:
             self.kv_pages.cover(int(block_tables.max()))
         # the structured outputs' masks, computed on a thread while the model runs
-        masks = self._masks_ahead(states, starts, num_new) if self.samples else None
+        masks = self._masks_ahead(step) if self.samples else None
         graphs = self.graphs
-        if graphs is not None and len(decodes) == len(order) <= graphs.max_size:
-            hidden = graphs.run(input_ids, positions, self._slots(block_tables, num_new, positions),
-                                starts + 1, block_tables)
+        if graphs is not None and step.num_decodes == len(num_new) <= graphs.max_size:
+            hidden = graphs.run(step.input_ids, positions,
+                                self._slots(block_tables, num_new, positions), starts + 1,
+                                block_tables)
             self.num_graph_steps += 1
         elif PipelineParallel.size > 1:
-            hidden = self._stage_forward(input_ids, starts, num_new, qsl, positions,
-                                         block_tables, len(decodes))
+            hidden = self._stage_forward(step.input_ids, starts, num_new, qsl, positions,
+                                         block_tables, step.num_decodes)
             if hidden is None:  # not the last stage: it samples, and says what
                 out = pipeline.share_output(None)
                 self._append_sampled(out.req_ids, out.token_ids)
                 return out
         else:
-            meta = self._metadata(starts, num_new, qsl, positions, block_tables, len(decodes))
-            ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+            meta = self._metadata(starts, num_new, qsl, positions, block_tables,
+                                  step.num_decodes)
+            ids_t = torch.from_numpy(step.input_ids).to(self.device)
             pos_t = torch.from_numpy(positions).to(self.device)
             hidden = self.model(ids_t, pos_t, meta, self.kv_caches)
-        out = self._sample(hidden, states, order, starts, num_new, qsl, masks)
+        out = self._sample(hidden, step, masks)
         if PipelineParallel.size > 1:
             shared = pipeline.share_output(out if self.samples else None)
             if not self.samples:  # another rank of the last stage
@@ -356,10 +325,11 @@ class ModelRunner:
                 out = shared
         return out
 
-    def _append_sampled(self, req_ids, tokens) -> None:
-        """The tokens another rank sampled, appended to this rank's copies of the requests."""
-        for req_id, token in zip(req_ids, tokens):
-            self.requests[req_id].token_ids.append(token)
+    def _append_sampled(self, req_ids: list[str], tokens: list[int]) -> None:
+        """The tokens another rank sampled, appended to this rank's rows of the requests."""
+        if req_ids:
+            self.input_batch.append_tokens(self.input_batch.rows(req_ids),
+                                           np.asarray(tokens, dtype=np.int32))
 
     def _stage_forward(self, input_ids: list[int], starts: np.ndarray, num_new: np.ndarray,
                        qsl: np.ndarray, positions: np.ndarray, block_tables: np.ndarray,
@@ -388,36 +358,35 @@ class ModelRunner:
         pipeline.wait(pending)
         return torch.cat(finals) if finals else None
 
-    @staticmethod
-    def _sampling_rows(states: list[RunnerRequest], starts: np.ndarray,
-                       num_new: np.ndarray) -> np.ndarray:
-        """The rows that sample this step: those whose scheduled tokens reach their end."""
-        return np.nonzero((starts + num_new) == np.array([len(s.token_ids) for s in states],
-                                                         dtype=np.int64))[0]
-
-    def _masks_ahead(self, states: list[RunnerRequest], starts: np.ndarray,
-                     num_new: np.ndarray) -> Future | None:
-        """The bitmask of the rows that sample this step (structure_masks), started on a
-        thread so it is computed while the model runs (llguidance lets go of the GIL);
-        None where no such row has a structured output."""
-        rows = self._sampling_rows(states, starts, num_new)
-        sampling = [states[i] for i in rows.tolist()]
-        if not any(s.structure is not None for s in sampling):
+    def _masks_ahead(self, step: StepInputs) -> Future | None:
+        """The bitmask of the sequences that sample this step (structure_masks), started on
+        a thread so it is computed while the model runs (llguidance lets go of the GIL);
+        None where no such sequence has a structured output."""
+        batch = self.input_batch
+        if not batch.num_structured:
             return None
+        rows = step.rows[step.sampling]
+        if not batch.structured[rows].any():
+            return None
+        rows = rows.tolist()
+        states = [self.requests[batch.req_ids[r]] for r in rows]
+        outputs = [batch.output_tokens(r) for r in rows]
         if self._mask_thread is None:
             self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="structured-masks")
-        return self._mask_thread.submit(self.structure_masks, sampling)
+        return self._mask_thread.submit(self.structure_masks, states, outputs)
 
-    def structure_masks(self, states: list[RunnerRequest]) -> torch.Tensor | None:
-        """[N, ceil(V / 32)] int32: what each row's structured output allows next, packed
-        (-1 where a row has none, or none yet), the grammar rows' computed together
-        (MaskExecutor); None where no row is constrained."""
+    def structure_masks(self, states: list[RunnerRequest],
+                        outputs: list[list[int]]) -> torch.Tensor | None:
+        """[N, ceil(V / 32)] int32: what each row's structured output allows after its
+        output tokens so far (`outputs`), packed (-1 where a row has none, or none yet),
+        the grammar rows' computed together (MaskExecutor); None where no row is
+        constrained."""
         mask = self._mask_rows(len(states))
         constrained = False
         pending = []  # (grammar matcher, row) whose masks llguidance computes together
-        for i, s in enumerate(states):
+        for i, (s, output) in enumerate(zip(states, outputs)):
             filled = False if s.structure is None else s.structure.deferred(
-                s.token_ids[s.num_prompt_tokens:], self.eos_token_ids, mask[i])
+                output, self.eos_token_ids, mask[i])
             if filled is False:
                 mask[i] = -1
                 continue
@@ -435,43 +404,45 @@ class ModelRunner:
             self._mask_buffer = np.empty((max(n, 8), words), dtype=np.int32)
         return self._mask_buffer[:n]
 
-    def _sample(self, hidden: torch.Tensor, states: list[RunnerRequest], order: list[str],
-                starts: np.ndarray, num_new: np.ndarray, qsl: np.ndarray,
+    def _sample(self, hidden: torch.Tensor, step: StepInputs,
                 masks: Future | None = None) -> RunnerOutput:
-        """The step's sampled tokens (and prompt logprobs) from its final hidden states."""
+        """The step's sampled tokens (and prompt logprobs) from its final hidden states;
+        the tokens are appended to their rows."""
         prompt_logprobs = None
         if self.scoring:  # a one-token prompt chunk is among the decodes: all are looked at
-            prompt_logprobs = self._prompt_logprobs(hidden, states, order, starts, num_new,
-                                                    qsl) or None
-        sample_idx = self._sampling_rows(states, starts, num_new)
+            prompt_logprobs = self._prompt_logprobs(hidden, step) or None
+        sample_idx = step.sampling
         if len(sample_idx) == 0:
             return RunnerOutput([], [], prompt_logprobs=prompt_logprobs)
-        if len(sample_idx) == len(states):
-            sample_states, sample_ids = states, order
-        else:
-            sample_states = [states[i] for i in sample_idx.tolist()]
-            sample_ids = [order[i] for i in sample_idx.tolist()]
         if len(sample_idx) < hidden.shape[0]:
-            hidden = hidden[torch.from_numpy(qsl[sample_idx + 1] - 1).to(self.device)]
+            hidden = hidden[torch.from_numpy(step.query_start_loc[sample_idx + 1] - 1)
+                            .to(self.device)]
         if not self.samples:  # this rank's part of the vocabulary, for rank 0 to sample from
             self.model.compute_logits(hidden, float32=False)
             return RunnerOutput([], [], prompt_logprobs=prompt_logprobs)
-        batch = self._sampling_batch(sample_states)
+        batch = self.input_batch
+        rows = step.rows[sample_idx]
+        sample_ids = list(map(batch.req_ids.__getitem__, rows.tolist()))
+        if batch.num_needing_sampler and batch.needs_sampler[rows].any():
+            sampling = self._sampling_batch([self.requests[r] for r in sample_ids], rows)
+        else:
+            sampling = SamplingBatch(all_greedy=True)
         if masks is not None:
-            batch.bitmask = masks.result()
+            sampling.bitmask = masks.result()
         # an argmax, or the CPU sampling kernel, needs no float32 copy of the logits
         logits = self.model.compute_logits(
-            hidden, float32=not self.sampler.takes_model_dtype(batch, hidden.device))
-        sampled = self.sampler(logits, batch)
-        tokens = sampled.token_ids.tolist()
-        for state, token in zip(sample_states, tokens):
-            state.token_ids.append(token)
+            hidden, float32=not self.sampler.takes_model_dtype(sampling, hidden.device))
+        sampled = self.sampler(logits, sampling)
+        token_array = sampled.token_ids.cpu().numpy()
+        batch.append_tokens(rows, token_array)
+        tokens = token_array.tolist()
         if self.plan_sink is not None and PipelineParallel.size == 1:  # (else: shared)
             self.unsent_tokens = (sample_ids, tokens)
         out = RunnerOutput(sample_ids, tokens, prompt_logprobs=prompt_logprobs)
-        out.errors = {req_id: state.structure.error
-                      for req_id, state in zip(sample_ids, sample_states)
-                      if state.structure is not None and state.structure.error} or None
+        if masks is not None:  # only a structured output can fail
+            structures = ((req_id, self.requests[req_id].structure) for req_id in sample_ids)
+            out.errors = {req_id: structure.error for req_id, structure in structures
+                          if structure is not None and structure.error} or None
         if sampled.logprob_values is not None:
             ids, values, ranks = (sampled.logprob_ids.tolist(), sampled.logprob_values.tolist(),
                                   sampled.sampled_ranks.tolist())
@@ -481,33 +452,34 @@ class ModelRunner:
     # rows of prompt logits computed at once: bounds the float32 [rows, vocab] buffers
     PROMPT_LOGPROB_ROWS = 256
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, states: list[RunnerRequest],
-                         order: list[str], starts: np.ndarray, num_new: np.ndarray,
-                         qsl: np.ndarray) -> dict[str, tuple[int, list]]:
+    def _prompt_logprobs(self, hidden: torch.Tensor,
+                         step: StepInputs) -> dict[str, tuple[int, list]]:
         """For each request asking prompt_logprobs with prompt tokens in this step: the
         first prompt position it scores, and per position (top ids, top values + the
         prompt token's logprob, that token's rank). Position p's hidden state scores
         token p + 1."""
+        batch = self.input_batch
+        scoring_rows = [batch.row_of[r] for r in self.scoring if r in batch.row_of]
         out = {}
-        for i, state in enumerate(states):
-            k = state.params.prompt_logprobs
-            if k is None:
-                continue
-            start = int(starts[i])
-            end = min(start + int(num_new[i]), state.num_prompt_tokens - 1)
+        for i in np.flatnonzero(np.isin(step.rows, scoring_rows)).tolist():
+            row = int(step.rows[i])
+            req_id = batch.req_ids[row]
+            k = self.requests[req_id].params.prompt_logprobs
+            start = int(step.starts[i])
+            end = min(start + int(step.num_new[i]), int(batch.num_prompt_tokens[row]) - 1)
             if end <= start:
                 continue
             rows = []
             for a in range(start, end, self.PROMPT_LOGPROB_ROWS):
                 b = min(a + self.PROMPT_LOGPROB_ROWS, end)
-                first_row = int(qsl[i]) + a - start
+                first_row = int(step.query_start_loc[i]) + a - start
                 logits = self.model.compute_logits(hidden[first_row:first_row + b - a])
                 if not self.samples:  # the all-gather alone: rank 0 scores
                     continue
-                targets = torch.tensor(state.token_ids[a + 1:b + 1], device=logits.device)
+                targets = torch.tensor(batch.tokens(row, a + 1, b + 1), device=logits.device)
                 top_ids, values, ranks = logprobs(logits, k, targets)
                 rows += list(zip(top_ids.tolist(), values.tolist(), ranks.tolist()))
-            out[order[i]] = (start + 1, rows)
+            out[req_id] = (start + 1, rows)
         return out
 
     def _constraints(self, states: list[RunnerRequest]):
@@ -533,14 +505,17 @@ class ModelRunner:
                   if bias_rows else None)
         return allowed_t, bias_t
 
-    def _sampling_batch(self, states: list[RunnerRequest]) -> SamplingBatch:
+    def _sampling_batch(self, states: list[RunnerRequest], rows: np.ndarray) -> SamplingBatch:
+        """The sampler's settings for the requests `states` in batch rows `rows`."""
         if all(s.plain_greedy for s in states):
             return SamplingBatch(all_greedy=True)
+        rows_in = self.input_batch
         params = [s.params for s in states]
         need_logprobs = [p.logprobs for p in params if p.logprobs is not None]
         blocked_rows, blocked_ids = [], []
-        for i, (s, p) in enumerate(zip(states, params)):
-            if p.min_tokens and len(s.token_ids) - s.num_prompt_tokens < p.min_tokens:
+        num_output = (rows_in.num_tokens[rows] - rows_in.num_prompt_tokens[rows]).tolist()
+        for i, (p, n) in enumerate(zip(params, num_output)):
+            if p.min_tokens and n < p.min_tokens:
                 stops = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else self.eos_token_ids)
                 blocked_rows += [i] * len(stops)
                 blocked_ids += list(stops)
@@ -557,16 +532,20 @@ class ModelRunner:
             batch.repetition_penalty = torch.tensor([p.repetition_penalty for p in params], device=dev)
             batch.presence_penalty = torch.tensor([p.presence_penalty for p in params], device=dev)
             batch.frequency_penalty = torch.tensor([p.frequency_penalty for p in params], device=dev)
-            batch.prompt_token_ids = [s.token_ids[:s.num_prompt_tokens] for s in states]
-            batch.output_token_ids = [s.token_ids[s.num_prompt_tokens:] for s in states]
+            row_list = rows.tolist()
+            batch.prompt_token_ids = [rows_in.tokens(r, 0, int(rows_in.num_prompt_tokens[r]))
+                                      for r in row_list]
+            batch.output_token_ids = [rows_in.output_tokens(r) for r in row_list]
         if not all_greedy:
-            batch.temperature = torch.tensor([p.temperature for p in params], device=dev)
-            if any(p.top_k > 0 for p in params):
-                batch.top_k = torch.tensor([p.top_k for p in params], device=dev)
-            if any(p.top_p < 1.0 for p in params):
-                batch.top_p = torch.tensor([p.top_p for p in params], device=dev)
-            if any(p.min_p > 0 for p in params):
-                batch.min_p = torch.tensor([p.min_p for p in params], device=dev)
+            batch.temperature = torch.from_numpy(rows_in.temperature[rows]).to(dev)
+            top_k, top_p, min_p = (rows_in.top_k[rows], rows_in.top_p[rows],
+                                   rows_in.min_p[rows])
+            if (top_k > 0).any():
+                batch.top_k = torch.from_numpy(top_k).to(dev)
+            if (top_p < 1.0).any():
+                batch.top_p = torch.from_numpy(top_p).to(dev)
+            if (min_p > 0).any():
+                batch.min_p = torch.from_numpy(min_p).to(dev)
             gens = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
             batch.generators = gens or None
         return batch

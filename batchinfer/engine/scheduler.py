@@ -42,6 +42,7 @@ class SchedulerOutput:
     """The step plan: plain data, so it can be sent to other tensor-parallel ranks."""
     new_requests: list[NewRequestData] = field(default_factory=list)
     cached_requests: CachedRequestData = field(default_factory=CachedRequestData)
+    # the cached requests' in their order, then the new requests' (the runner relies on it)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0
     finished_req_ids: set[str] = field(default_factory=set)   # since the last plan

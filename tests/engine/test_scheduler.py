@@ -66,6 +66,9 @@ class Sim:
         assert out.total_num_scheduled_tokens <= sched.max_num_batched_tokens
         assert len(sched.running) <= sched.max_num_seqs
         assert set(out.num_scheduled_tokens) <= {r.request_id for r in sched.running}
+        # the model runner reads the cached requests' rows off the front of this order
+        assert list(out.num_scheduled_tokens) == out.cached_requests.req_ids + [
+            new.req_id for new in out.new_requests]
         held: dict[int, int] = {}
         for req_id, blocks in self.kv.req_blocks.items():
             req = self.requests[req_id]
