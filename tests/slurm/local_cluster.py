@@ -17,7 +17,6 @@ Written for Debian's Slurm 22.05 (slurm-wlm) and munge 0.5; needs root (SlurmUse
 """
 from __future__ import annotations
 
-import fcntl
 import os
 import random
 import re
@@ -30,9 +29,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import apt_packages
+from apt_packages import which
+
 REQUIRED_PROGRAMS = ("sbatch", "slurmctld", "slurmd", "munged")
 PACKAGES = ("slurm-wlm", "munge")
-_SBIN_DIRS = ("/usr/local/sbin", "/usr/sbin", "/sbin")
 _REAPER = Path(__file__).with_name("_reaper.py")
 
 # Job states after which a job (or array task) will not run again on its own.
@@ -47,89 +48,14 @@ _CLIENT_ENV_PREFIXES = ("SLURM_", "SBATCH_", "SQUEUE_", "SINFO_", "SCONTROL_", "
                         "SRUN_", "SALLOC_", "SACCT_")
 
 
-def which(program: str) -> str | None:
-    """shutil.which, also looking in the sbin directories a non-login PATH may lack."""
-    found = shutil.which(program)
-    if found:
-        return found
-    for directory in _SBIN_DIRS:
-        candidate = os.path.join(directory, program)
-        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
-            return candidate
-    return None
-
-
 INSTALL_SWITCH = "BATCHINFER_INSTALL_SLURM"
 
 
-def _missing() -> list[str]:
-    return [program for program in REQUIRED_PROGRAMS if which(program) is None]
-
-
-def _last_line(text: str) -> str:
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[-1] if lines else "no output"
-
-
 def ensure_installed(timeout: float = 600.0) -> str | None:
-    """None when sbatch, slurmctld, slurmd and munged are available (installing the Debian
-    packages slurm-wlm and munge with apt-get when running as root, in CI (CI=true) or when
-    BATCHINFER_INSTALL_SLURM=1); otherwise a one-line reason, for pytest.skip."""
-    missing = _missing()
-    if not missing:
-        return None
-    what = f"Slurm not installed (missing {', '.join(missing)})"
-    if os.environ.get("CI", "").lower() != "true" and os.environ.get(INSTALL_SWITCH) != "1":
-        return f"{what}; set {INSTALL_SWITCH}=1 to let the tests apt-get install it"
-    if os.geteuid() != 0:
-        return f"{what} and not root, cannot apt-get install {' '.join(PACKAGES)}"
-    apt_get = which("apt-get")
-    if apt_get is None:
-        return f"{what} and no apt-get to install {' '.join(PACKAGES)}"
-    deadline = time.monotonic() + timeout
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = [apt_get, "install", "-y", "-q", "--no-install-recommends",
-               "-o", "DPkg::Lock::Timeout=120",
-               "-o", "Dpkg::Options::=--force-confdef", "-o", "Dpkg::Options::=--force-confold",
-               *PACKAGES]
-    update = [apt_get, "update", "-q", "-o", "DPkg::Lock::Timeout=120"]
-
-    def run(command: list[str]) -> subprocess.CompletedProcess | str:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return f"{what}: apt-get timed out after {timeout:.0f}s"
-        try:
-            return subprocess.run(command, env=env, stdin=subprocess.DEVNULL,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True, timeout=left)
-        except subprocess.TimeoutExpired:
-            return f"{what}: '{' '.join(command[:2])}' timed out after {timeout:.0f}s"
-        except OSError as error:
-            return f"{what}: cannot run apt-get: {error}"
-
-    # Several test processes (pytest-xdist) may get here at once: install once.
-    with open(os.path.join(tempfile.gettempdir(), "batchinfer-slurm-install.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not _missing():
-            return None
-        result = run(install)
-        if isinstance(result, str):
-            return result
-        if result.returncode != 0:  # stale or missing package lists: update, then retry
-            updated = run(update)
-            if isinstance(updated, str):
-                return updated
-            if updated.returncode != 0:
-                return f"{what}: apt-get update failed: {_last_line(updated.stdout)}"
-            result = run(install)
-            if isinstance(result, str):
-                return result
-            if result.returncode != 0:
-                return f"{what}: apt-get install failed: {_last_line(result.stdout)}"
-    missing = _missing()
-    if missing:
-        return f"apt-get installed {' '.join(PACKAGES)} but {', '.join(missing)} still missing"
-    return None
+    """None when sbatch, slurmctld, slurmd and munged are available (installing Debian's
+    slurm-wlm and munge where the tests may); otherwise a one-line reason, for pytest.skip."""
+    return apt_packages.ensure_installed("Slurm", REQUIRED_PROGRAMS, PACKAGES,
+                                         INSTALL_SWITCH, timeout)
 
 
 def _free_port() -> int:
@@ -229,7 +155,7 @@ class LocalSlurm:
         if self._started:
             raise SlurmError("LocalSlurm.start() called twice")
         self._started = True
-        missing = _missing()
+        missing = [p for p in REQUIRED_PROGRAMS if which(p) is None]
         if missing:
             raise SlurmError(f"Slurm not installed (missing {', '.join(missing)}); "
                              "call ensure_installed() first")
