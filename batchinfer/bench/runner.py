@@ -134,10 +134,18 @@ def _device_name(device: torch.device) -> str:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
                 if line.startswith("model name"):
-                    return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
+                    return (f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores, "
+                            f"{_cpu_isa()})")
     except OSError:
         pass
     return platform.processor() or "cpu"
+
+
+def _cpu_isa() -> str:
+    """The CPU's vector ISA, and the kernels' -march where it is not the CPU's own."""
+    from batchinfer.kernels.cpu.build import target_arch, vector_isa
+    arch = target_arch()
+    return vector_isa() + ("" if arch == "native" else f"; kernels built for {arch}")
 
 
 def run_bench(opts: dict) -> dict:

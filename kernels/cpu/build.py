@@ -91,6 +91,25 @@ def cpu_identity() -> str:
         return platform.processor()
 
 
+def vector_isa(identity: str | None = None) -> str:
+    """The widest vector instructions the CPU has, as benchmark figures name them:
+    "AVX-512 BF16 AMX", "AVX-512 BF16", "AVX-512", "AVX2 FMA", "SVE BF16", "NEON", ...
+    (from /proc/cpuinfo's flags or Features line)."""
+    found = set()
+    for line in (identity if identity is not None else cpu_identity()).splitlines():
+        if line.startswith(("flags", "Features")):
+            found.update(line.split(":", 1)[-1].split())
+    if "avx512f" in found:
+        parts = ["AVX-512"] + ["BF16"] * ("avx512_bf16" in found) + ["AMX"] * ("amx_bf16" in found)
+    elif "avx2" in found:
+        parts = ["AVX2"] + ["FMA"] * ("fma" in found)
+    elif "sve" in found or "asimd" in found:
+        parts = ["SVE" if "sve" in found else "NEON"] + ["BF16"] * ("bf16" in found)
+    else:
+        parts = [platform.machine() or "unknown"]
+    return " ".join(parts)
+
+
 def has_amx() -> bool:
     """Whether the CPU has AMX's bfloat16 matrix units (Linux's amx_bf16 flag), which
     torch's oneDNN products and CPU flash kernel use."""
@@ -107,9 +126,12 @@ def target_arch() -> str:
     return arch
 
 
-def _flags() -> list[str]:
-    flags = ["-O3", f"-march={target_arch()}", "-fopenmp", "-fPIC", "-std=gnu11", f"-I{HERE}"]
-    if platform.machine() in ("x86_64", "AMD64"):
+def compile_flags(arch: str | None = None, machine: str | None = None) -> list[str]:
+    """GCC's flags for a kernel source, for -march `arch` (target_arch()) on a `machine`
+    (this one's, platform.machine())."""
+    flags = ["-O3", f"-march={arch or target_arch()}", "-fopenmp", "-fPIC", "-std=gnu11",
+             f"-I{HERE}"]
+    if (machine or platform.machine()) in ("x86_64", "AMD64"):
         # GCC otherwise splits 512-bit vector code into 256-bit halves on AVX-512 hosts
         flags.append("-mprefer-vector-width=512")
     return flags
@@ -121,7 +143,7 @@ def _compile(compiler: list[str], source: Path, runtime: str, target: Path) -> N
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         obj, lib = Path(tmp) / "kernel.o", Path(tmp) / "kernel.so"
         # link with the runtime's file itself, not -fopenmp's default libgomp
-        for cmd in ([*compiler, *_flags(), "-c", str(source), "-o", str(obj)],
+        for cmd in ([*compiler, *compile_flags(), "-c", str(source), "-o", str(obj)],
                     [*compiler, "-shared", str(obj), runtime, "-o", str(lib)]):
             try:
                 done = subprocess.run(cmd, capture_output=True, text=True,
@@ -255,7 +277,7 @@ def _targets(source: Path) -> tuple[Path, Path]:
     headers = sorted(HERE.glob("*.h"))
     key = hashlib.sha256("\0".join(
         [source.read_text(), *(h.read_text() for h in headers), *compiler, version,
-         " ".join(_flags()), runtime, cpu_identity()]).encode()).hexdigest()[:20]
+         " ".join(compile_flags()), runtime, cpu_identity()]).encode()).hexdigest()[:20]
     name = f"{source.stem}-{key}.so"
     return (cache_root() / "kernels" / name,
             Path(tempfile.gettempdir()) / f"batchinfer-kernels-{os.getuid()}" / name)

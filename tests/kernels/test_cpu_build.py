@@ -74,3 +74,16 @@ def test_a_first_run_builds_the_kernels_before_its_clock_starts(tmp_path, llama_
                            text=True, timeout=300)
     assert again.returncode == 0 and "building" not in again.stderr
     assert f"{sources} CPU kernels ready in {tmp_path / 'cache' / 'kernels'}" in again.stderr
+
+
+@pytest.mark.parametrize("identity, isa", [
+    ("flags\t: fpu sse2 avx avx2 fma avx512f avx512bw avx512_bf16 amx_bf16 amx_tile\n",
+     "AVX-512 BF16 AMX"),
+    ("flags\t: fpu avx2 fma avx512f avx512_bf16\n", "AVX-512 BF16"),
+    ("flags\t: fpu avx2 fma avx512f avx512bw\n", "AVX-512"),
+    ("vendor_id\t: AuthenticAMD\nflags\t: fpu sse2 avx avx2 fma\n", "AVX2 FMA"),
+    ("Features\t: fp asimd evtstrm aes sve bf16\n", "SVE BF16"),
+    ("Features\t: fp asimd evtstrm\n", "NEON"),
+])
+def test_benchmarks_name_the_vector_isa(identity, isa):
+    assert cpu.build.vector_isa(identity) == isa

@@ -262,7 +262,7 @@ def test_the_target_arch_is_chosen_by_the_environment(fresh_loader, monkeypatch,
     AVX512-BF16 instructions) on any x86-64 host, in a library of its own; a value that
     is no -march falls back to the torch path with a warning naming it."""
     monkeypatch.setenv(cpu.build.ARCH_ENV, "x86-64-v3")
-    assert "-march=x86-64-v3" in cpu.build._flags()
+    assert "-march=x86-64-v3" in cpu.build.compile_flags()
     avx2 = cpu.build.build(cpu.shared_prefix.SOURCE)
     assert avx2 is not None
     assert not ctypes.CDLL(str(avx2)).shared_prefix_bf16_available()
