@@ -20,6 +20,8 @@ SHARED_MEMORY_BYTES = {
 # What the launchers plan for where the device does not say: the smallest of those, so
 # the interpreter runs the tiles such a GPU would.
 DEFAULT_SHARED_MEMORY_BYTES = 99 * 1024
+# Shared memory the compiler may take beyond the tiles (layout conversions, reductions).
+SHARED_MEMORY_SLACK = 8 * 1024
 
 
 def next_power_of_2(n: int) -> int:
@@ -34,6 +36,26 @@ def shared_memory_bytes(device: torch.device) -> int:
         return DEFAULT_SHARED_MEMORY_BYTES
     props = torch.cuda.get_device_properties(device)
     return getattr(props, "shared_memory_per_block_optin", DEFAULT_SHARED_MEMORY_BYTES)
+
+
+def attention_shared_memory(rows: int, block_n: int, num_stages: int, head_dim: int,
+                            cache_bytes: int, dot_bytes: int) -> int:
+    """Bytes of shared memory an attention kernel's tiles take (an upper bound): num_stages
+    K and V tiles of [block_n, D_PAD] cache elements in flight, an FP8 cache's tiles again
+    once converted to the dot's type, and the query and probability tiles ([rows, D_PAD],
+    [rows, block_n]) staged for tl.dot. cache_bytes / dot_bytes: element sizes of the
+    cache and of the query."""
+    d_pad = next_power_of_2(head_dim)
+    kv = 2 * block_n * d_pad
+    total = num_stages * kv * cache_bytes
+    if cache_bytes != dot_bytes:
+        total += kv * dot_bytes
+    return total + rows * (d_pad + block_n) * dot_bytes
+
+
+def fits_shared_memory(used: int, shared_memory: int) -> bool:
+    """Whether tiles taking `used` bytes leave SHARED_MEMORY_SLACK of `shared_memory`."""
+    return used + SHARED_MEMORY_SLACK <= shared_memory
 
 
 def is_interpreted(kernel: object) -> bool:

@@ -17,15 +17,14 @@ import triton
 import triton.language as tl
 
 from .. import fp8
-from ._launch import check_inputs, dot_settings, next_power_of_2, shared_memory_bytes
+from ._launch import (attention_shared_memory, check_inputs, dot_settings, fits_shared_memory,
+                      next_power_of_2, shared_memory_bytes)
 from ._paged import load_kv_tile, online_softmax_step, soft_cap
 
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
 # (BLOCK_N, num_stages) in order of preference: the first whose tiles fit is taken.
 TILE_CHOICES = ((64, 3), (64, 2), (32, 3), (32, 2), (16, 2))
-# Shared memory the compiler may take beyond the tiles (layout conversions, reductions).
-SHARED_MEMORY_SLACK = 8 * 1024
 
 
 # Arguments whose values change from step to step are not specialised on (Triton would
@@ -173,29 +172,22 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
 
 def decode_shared_memory(block_n: int, num_stages: int, head_dim: int, group: int,
                          cache_bytes: int, dot_bytes: int) -> int:
-    """Bytes of shared memory the decode kernel's tiles take (an upper bound): num_stages
-    K and V tiles of [BLOCK_N, D_PAD] cache elements in flight, an FP8 cache's tiles again
-    once converted to the dot's type, and the query and probability tiles staged for
-    tl.dot. cache_bytes / dot_bytes: element sizes of the cache and of the query."""
-    d_pad = next_power_of_2(head_dim)
-    g_pad = max(16, next_power_of_2(group))
-    kv = 2 * block_n * d_pad
-    total = num_stages * kv * cache_bytes
-    if cache_bytes != dot_bytes:
-        total += kv * dot_bytes
-    return total + g_pad * (d_pad + block_n) * dot_bytes
+    """Bytes of shared memory the decode kernel's tiles take (attention_shared_memory),
+    its query rows the GQA group padded to at least 16."""
+    return attention_shared_memory(max(16, next_power_of_2(group)), block_n, num_stages,
+                                   head_dim, cache_bytes, dot_bytes)
 
 
 def decode_tile_sizes(head_dim: int, group: int, cache_bytes: int, dot_bytes: int,
                       shared_memory: int, block_n: int | None = None) -> tuple[int, int]:
     """(BLOCK_N, num_stages): the first of TILE_CHOICES (with BLOCK_N = block_n when given)
-    whose tiles (decode_shared_memory) leave SHARED_MEMORY_SLACK of `shared_memory`. Wide
+    whose tiles (decode_shared_memory) fit `shared_memory` (fits_shared_memory). Wide
     heads and float32 get narrower tiles and fewer stages; the block size does not enter,
     as tiles need not line up with blocks."""
     choices = TILE_CHOICES if block_n is None else [(block_n, s) for s in (3, 2, 1)]
     for n, stages in choices:
-        if decode_shared_memory(n, stages, head_dim, group, cache_bytes, dot_bytes) \
-                + SHARED_MEMORY_SLACK <= shared_memory:
+        if fits_shared_memory(decode_shared_memory(n, stages, head_dim, group, cache_bytes,
+                                                   dot_bytes), shared_memory):
             return n, stages
     raise ValueError(f"decode tiles for head_dim={head_dim} with {cache_bytes}-byte cache "
                      f"elements do not fit {shared_memory} bytes of shared memory")

@@ -27,8 +27,10 @@ scales expanded to one row per output feature) and K for per-channel or per-tens
 
 Two things differ under the interpreter and are handled in the kernels: its float32 ->
 float8 cast does not round to nearest even (ties and carries into the exponent come out
-wrong), so quantized values are first rounded to the FP8 grid in float32 (`_round_to_e4m3`, exact on a GPU as well) and the
-cast only stores them; and it multiplies bfloat16 tiles as raw bits, so the W8A16 kernel's
+wrong), so the activations' E4M3 codes are computed with integer operations, compiled and
+interpreted alike (`float_to_fp8`, the FP8 KV cache's conversion, which reads NaN and the
+sign before the clamp, so a compiled min/max cannot turn NaN into 448), and stored as
+bytes; and it multiplies bfloat16 tiles as raw bits, so the W8A16 kernel's
 tiles go to float32 before tl.dot there (`dot_settings`). FP8 tiles in tl.dot are exact
 under the interpreter and stay FP8.
 """
@@ -39,6 +41,7 @@ import triton
 import triton.language as tl
 
 from ._launch import SUPPORTED_DTYPES, dot_settings, is_interpreted, next_power_of_2
+from ._paged import float_to_fp8
 
 FP8_MAX: tl.constexpr = tl.constexpr(448.0)  # the largest float8_e4m3fn value
 # The smallest absolute maximum a token's group is scaled by, so an all-zero group gets a
@@ -46,18 +49,6 @@ FP8_MAX: tl.constexpr = tl.constexpr(448.0)  # the largest float8_e4m3fn value
 AMAX_EPS: tl.constexpr = tl.constexpr(1e-10)
 # float8_e4m3fn bits placed in a float32's exponent and mantissa read 2^(127 - 7) too small.
 _E4M3_FROM_F32_BITS: tl.constexpr = tl.constexpr(2.0 ** 120)
-
-
-@triton.jit
-def _round_to_e4m3(v):
-    """float32 v with |v| <= 448 rounded to the nearest float8_e4m3fn value, ties to even,
-    kept in float32. Adding 2^(e + 20), whose float32 spacing is FP8's spacing 2^(e - 3) in
-    v's binade [2^e, 2^(e+1)) (e >= -6: below, the subnormal spacing 2^-9), rounds there."""
-    bits = v.to(tl.int32, bitcast=True)
-    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
-    magic = ((exponent + 147) << 23).to(tl.float32, bitcast=True)
-    r = (tl.abs(v) + magic) - magic
-    return tl.where(bits < 0, -r, r)
 
 
 @triton.jit
@@ -72,7 +63,7 @@ def _e4m3_to_float32(b):
 
 @triton.jit
 def _quantize_kernel(
-    q_ptr,             # [M, K] float8_e4m3fn
+    q_ptr,             # [M, K] uint8: the float8_e4m3fn result's codes
     scale_ptr,         # [M, G] float32
     x_ptr,             # [M, K]
     static_scale_ptr,  # [1] float32 (STATIC)
@@ -107,9 +98,7 @@ def _quantize_kernel(
         k = k0 + tl.arange(0, BLOCK)
         k_ok = k < end
         x = tl.load(x_row + k * stride_xk, mask=k_ok, other=0.0).to(tl.float32)
-        q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
-        tl.store(q_ptr + row * stride_qm + k * stride_qk,
-                 _round_to_e4m3(q).to(q_ptr.dtype.element_ty), mask=k_ok)
+        tl.store(q_ptr + row * stride_qm + k * stride_qk, float_to_fp8(x, scale), mask=k_ok)
 
 
 @triton.jit
@@ -305,9 +294,10 @@ def quantize_activations(x: torch.Tensor, group_size: int,
     static = _scalar(input_scale, x.device)
     ub = _scalar(scale_ub, x.device)
     largest = 128 if is_interpreted(_quantize_kernel) else 1024
+    codes = q.view(torch.uint8)
     _quantize_kernel[(m, groups)](
-        q, scale, x, static if static is not None else scale, ub if ub is not None else scale,
-        k, group_size, *x.stride(), *q.stride(), *scale.stride(),
+        codes, scale, x, static if static is not None else scale, ub if ub is not None else scale,
+        k, group_size, *x.stride(), *codes.stride(), *scale.stride(),
         STATIC=static is not None, USE_UB=ub is not None and static is None,
         BLOCK=min(next_power_of_2(group_size), largest), num_warps=4,
     )

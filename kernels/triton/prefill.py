@@ -20,8 +20,17 @@ import triton
 import triton.language as tl
 
 from .. import fp8
-from ._launch import check_inputs, dot_settings, next_power_of_2
+from ._launch import (attention_shared_memory, check_inputs, dot_settings, fits_shared_memory,
+                      next_power_of_2, shared_memory_bytes)
 from ._paged import load_kv_tile, online_softmax_step, soft_cap
+
+# (token, query head) rows per tile, largest first: each K/V tile then serves the most
+# queries. Never below the GQA group's power of two.
+BLOCK_M_CHOICES = (64, 32, 16)
+# (BLOCK_N, num_stages) in order of preference for each BLOCK_M: the first whose tiles fit
+# is taken. Above head_dim 128, BLOCK_N stops at WIDE_HEAD_BLOCK_N, to bound registers.
+TILE_CHOICES = ((64, 2), (32, 2), (16, 2), (32, 1), (16, 1))
+WIDE_HEAD_BLOCK_N = 32
 
 
 # the block-table row stride (the step's longest context in blocks) and the window change
@@ -117,10 +126,31 @@ def _paged_prefill_kernel(
              mask=row_ok[:, None] & d_ok[None, :])
 
 
-def prefill_tile_sizes(group: int, head_dim: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N): 64 (token, head) rows per tile, or the group size when larger;
-    64 keys per K/V tile, 32 above head_dim 128 to bound registers. All >= 16 (tl.dot)."""
-    return max(64, next_power_of_2(group)), (64 if head_dim <= 128 else 32)
+def prefill_tile_sizes(head_dim: int, group: int, cache_bytes: int, dot_bytes: int,
+                       shared_memory: int, block_m: int | None = None,
+                       block_n: int | None = None) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_stages): for each BLOCK_M of BLOCK_M_CHOICES (or block_m when
+    given), the first of TILE_CHOICES (with BLOCK_N = block_n when given) whose tiles
+    (attention_shared_memory) fit `shared_memory` (fits_shared_memory). Wide heads, float32
+    and GPUs with less shared memory get narrower tiles and fewer stages. All >= 16 (tl.dot)."""
+    rows = max(16, next_power_of_2(group))
+    if block_m is not None:
+        m_choices = [block_m]
+    else:
+        m_choices = sorted({max(m, rows) for m in BLOCK_M_CHOICES}, reverse=True)
+    if block_n is not None:
+        choices = [(block_n, s) for s in (2, 1)]
+    else:
+        widest = 64 if head_dim <= 128 else WIDE_HEAD_BLOCK_N
+        choices = [(n, s) for n, s in TILE_CHOICES if n <= widest]
+    for m in m_choices:
+        for n, stages in choices:
+            if fits_shared_memory(attention_shared_memory(m, n, stages, head_dim, cache_bytes,
+                                                          dot_bytes), shared_memory):
+                return m, n, stages
+    raise ValueError(f"prefill tiles for head_dim={head_dim} and a GQA group of {group} with "
+                     f"{cache_bytes}-byte cache elements do not fit {shared_memory} bytes of "
+                     "shared memory")
 
 
 def plan_prefill_tiles(query_start_loc_cpu: list[int], first_seq: int, block_q: int,
@@ -153,6 +183,8 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     BLOCK_M // group query tokens of a sequence, so a long chunk spreads over many
     programs and a one-token sequence costs one. The tile plan is built on the host from
     query_start_loc_cpu (read from query_start_loc when not given) and kept in `scratch`.
+    Tiles: block_m rows and block_n keys (default: prefill_tile_sizes for the device's
+    shared memory).
     An FP8 cache's keys and values are read times k_scale and v_scale. softcap: scores
     (after the scale) become softcap * tanh(scores / softcap).
     """
@@ -167,10 +199,11 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     group = num_heads // num_kv_heads
-    default_m, default_n = prefill_tile_sizes(group, head_dim)
-    block_m, block_n = block_m or default_m, block_n or default_n
-    if block_m < group:
+    if block_m is not None and block_m < group:
         raise ValueError(f"block_m={block_m} must be at least the GQA group size {group}")
+    block_m, block_n, num_stages = prefill_tile_sizes(
+        head_dim, group, k_cache.element_size(), query.element_size(),
+        shared_memory_bytes(query.device), block_m, block_n)
     block_q = block_m // group
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -195,6 +228,6 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         HEAD_DIM=head_dim, D_PAD=next_power_of_2(head_dim), GROUP=group, BLOCK_Q=block_q,
         BLOCK_M=block_m, BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n,
         USE_WINDOW=sliding_window is not None, SOFTCAP=softcap is not None, DOT_F32=dot_f32, DOT_PRECISION=precision,
-        FP8=from_fp8, num_warps=4, num_stages=2,
+        FP8=from_fp8, num_warps=4, num_stages=num_stages,
     )
     return out

@@ -11,10 +11,11 @@ import os
 import pytest
 import torch
 
-from batchinfer.kernels.triton import decode
-from batchinfer.kernels.triton._launch import SHARED_MEMORY_BYTES
+from batchinfer.kernels.triton import decode, prefill
+from batchinfer.kernels.triton._launch import (
+    SHARED_MEMORY_BYTES, SHARED_MEMORY_SLACK, attention_shared_memory)
 from batchinfer.kernels.triton.decode import (
-    SHARED_MEMORY_SLACK, choose_num_splits, decode_shared_memory, paged_decode_attention)
+    choose_num_splits, decode_shared_memory, paged_decode_attention)
 from batchinfer.kernels.triton.kv_write import write_kv
 from batchinfer.kernels.triton.prefill import paged_prefill_attention, plan_prefill_tiles
 from reference import ref_decode_attention, ref_prefill_attention, ref_write_kv
@@ -178,11 +179,22 @@ def test_default_tile_sizes_and_noncontiguous_query(paged_batch):
 
 # The head sizes of the models batchinfer runs, and the (query, cache) dtypes.
 HEAD_DIMS = (64, 80, 96, 112, 128, 192, 256)
-DECODE_DTYPES = {"float32": (torch.float32, torch.float32),
-                 "bfloat16": (torch.bfloat16, torch.bfloat16),
-                 "float16": (torch.float16, torch.float16),
-                 "fp8-kv-bfloat16": (torch.bfloat16, torch.float8_e4m3fn),
-                 "fp8-kv-float32": (torch.float32, torch.float8_e4m3fn)}
+QUERY_CACHE_DTYPES = {"float32": (torch.float32, torch.float32),
+                      "bfloat16": (torch.bfloat16, torch.bfloat16),
+                      "float16": (torch.float16, torch.float16),
+                      "fp8-kv-bfloat16": (torch.bfloat16, torch.float8_e4m3fn),
+                      "fp8-kv-float16": (torch.float16, torch.float8_e4m3fn),
+                      "fp8-kv-float32": (torch.float32, torch.float8_e4m3fn)}
+
+
+class LaunchRecorder:
+    """Stands in for a kernel: records each launch's keyword arguments, runs nothing."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append(kwargs)
 
 
 @pytest.mark.parametrize("gpu", SHARED_MEMORY_BYTES, ids=str)
@@ -190,28 +202,49 @@ def test_decode_tiles_fit_shared_memory(monkeypatch, gpu):
     """The decode launcher's tiles (BLOCK_N, num_stages), for every head size, block size
     and dtype, fit each GPU's shared memory. Only the launch is recorded: nothing runs."""
     limit = SHARED_MEMORY_BYTES[gpu]
-    launches = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append(kwargs)
-
-    monkeypatch.setattr(decode, "_paged_decode_kernel", Recorder())
+    kernel = LaunchRecorder()
+    monkeypatch.setattr(decode, "_paged_decode_kernel", kernel)
     monkeypatch.setattr(decode, "check_inputs", lambda *args, **kwargs: None)
     monkeypatch.setattr(decode, "shared_memory_bytes", lambda device: limit)
     for head_dim, block_size, (name, (dtype, cache_dtype)), group in itertools.product(
-            HEAD_DIMS, (16, 32, 64, 128), DECODE_DTYPES.items(), (1, 8)):
+            HEAD_DIMS, (16, 32, 64, 128), QUERY_CACHE_DTYPES.items(), (1, 8)):
         query = torch.zeros(1, group, head_dim, dtype=dtype)
         cache = torch.zeros(2, block_size, 1, head_dim, dtype=cache_dtype)
         paged_decode_attention(query, cache, cache, torch.zeros(1, 1, dtype=torch.int32),
                                torch.ones(1, dtype=torch.int32), SCALE, num_splits=1)
-        kw = launches.pop()
+        kw = kernel.launches.pop()
         # Triton pipelines 3 stages unless told otherwise
         used = decode_shared_memory(kw["BLOCK_N"], kw.get("num_stages", 3), head_dim, group,
                                     cache.element_size(), query.element_size())
         assert kw["BLOCK_N"] >= 16
         assert used + SHARED_MEMORY_SLACK <= limit, (gpu, head_dim, block_size, name, group,
                                                      kw["BLOCK_N"], used)
+
+
+@pytest.mark.parametrize("gpu", SHARED_MEMORY_BYTES, ids=str)
+def test_prefill_tiles_fit_shared_memory(monkeypatch, gpu):
+    """The prefill launcher's tiles (BLOCK_M, BLOCK_N, num_stages), for every head size,
+    dtype and GQA group, fit each GPU's shared memory. Only the launch is recorded."""
+    limit = SHARED_MEMORY_BYTES[gpu]
+    kernel = LaunchRecorder()
+    monkeypatch.setattr(prefill, "_paged_prefill_kernel", kernel)
+    monkeypatch.setattr(prefill, "check_inputs", lambda *args, **kwargs: None)
+    monkeypatch.setattr(prefill, "shared_memory_bytes", lambda device: limit)
+    for head_dim, block_size, (name, (dtype, cache_dtype)), group in itertools.product(
+            HEAD_DIMS, (16, 128), QUERY_CACHE_DTYPES.items(), (1, 4, 8, 16)):
+        query = torch.zeros(1, group, head_dim, dtype=dtype)
+        cache = torch.zeros(2, block_size, 1, head_dim, dtype=cache_dtype)
+        one = torch.ones(1, dtype=torch.int32)
+        paged_prefill_attention(query, cache, cache, torch.zeros(1, 1, dtype=torch.int32), one,
+                                torch.tensor([0, 1], dtype=torch.int32), SCALE)
+        kw = kernel.launches.pop()
+        block_m, block_n = kw["BLOCK_M"], kw["BLOCK_N"]
+        # Triton pipelines 3 stages unless told otherwise
+        used = attention_shared_memory(block_m, block_n, kw.get("num_stages", 3), head_dim,
+                                       cache.element_size(), query.element_size())
+        assert block_n >= 16 and block_m >= max(16, group) and block_m % group == 0
+        assert used + SHARED_MEMORY_SLACK <= limit, (gpu, head_dim, name, group, block_m,
+                                                     block_n, used)
 
 
 @pytest.mark.parametrize("dtype, head_dim, block_size", [(torch.float32, 256, 128),
@@ -227,6 +260,22 @@ def test_decode_default_tiles_for_wide_heads(paged_batch, dtype, head_dim, block
         out = paged_decode_attention(b.query, b.k_cache, b.v_cache, m.block_tables,
                                      m.seq_lens, SCALE, num_splits=num_splits)
         torch.testing.assert_close(out.float(), ref, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype, head_dim, block_size", [(torch.float32, 256, 16),
+                                                         (torch.bfloat16, 256, 32),
+                                                         (torch.float16, 192, 8)], ids=str)
+def test_prefill_default_tiles_for_wide_heads(paged_batch, dtype, head_dim, block_size):
+    """Gemma's head_dim 256 with the tiles the launcher picks for the smallest shared
+    memory (float32: 32 rows and one stage), chunks longer than a tile of queries."""
+    b = paged_batch([1, 37, 90], [1, 37, 41], block_size=block_size, num_kv_heads=1, group=2,
+                    head_dim=head_dim, dtype=dtype, seed=6)
+    m = b.meta
+    ref = ref_prefill_attention(b.query, b.k_cache, b.v_cache, m.block_tables, m.seq_lens,
+                                m.query_start_loc, SCALE)
+    out = paged_prefill_attention(b.query, b.k_cache, b.v_cache, m.block_tables, m.seq_lens,
+                                  m.query_start_loc, SCALE)
+    torch.testing.assert_close(out.float(), ref, **TOLERANCES[dtype])
 
 
 def test_prefill_tile_plan():

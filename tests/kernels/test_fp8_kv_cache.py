@@ -106,7 +106,11 @@ def test_triton_write_conversion_specials(device, bits, scale, code):
     x = x.to(device).expand(16).contiguous()
     codes = torch.empty(16, dtype=torch.uint8, device=device)
     _to_fp8_kernel[(1,)](x, codes, scale, 16, BLOCK=16)
-    assert codes.tolist() == [code] * 16
+    got = codes.tolist()
+    if code & 0x7F == 0x7F:
+        # NaN's sign is the quotient's, which a GPU's division may drop (as torch's there)
+        got, code = [c & 0x7F for c in got], 0x7F
+    assert got == [code] * 16
     assert same_codes(codes, to_fp8(x, scale))
 
 

@@ -162,6 +162,61 @@ def test_quantize_rounds_to_nearest_even_at_every_step():
     assert q.cpu().view(torch.uint8)[0, 2] == 0x80
 
 
+# float32 bits: NaN of either sign and payload, +-inf, +-the largest float, +-448, 1.
+SPECIALS = [0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFFFFFFF, 0x7F800000, 0xFF800000,
+            0x7F7FFFFF, 0xFF7FFFFF, 0x43E00000, 0xC3E00000, 0x3F800000]
+
+
+def _from_bits(bits: list[int]) -> torch.Tensor:
+    return torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
+
+
+# (the interpreter's numpy warns of the overflows and NaN quotients)
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@needs_fp8
+@pytest.mark.parametrize("input_scale", [1.0, 0.5, 3.0, None], ids=str)
+def test_quantize_special_values(input_scale):
+    """NaN stays NaN (0x7f, 0xff), never +-448 as a clamp that drops NaN makes it;
+    infinities and huge values saturate to +-448; bits as torch's conversion on the same
+    device. Dynamic (None): one row per special beside ordinary values, so a row
+    with an infinity gets an infinite scale (its finite values 0, the infinity NaN) and
+    one with the largest float a huge one."""
+    specials = _from_bits(SPECIALS)
+    if input_scale is None:
+        x = torch.tensor([1.0, -2.0, 0.5]).repeat(len(SPECIALS), 6)
+        x[:, 5] = specials
+        x = x[~specials.isnan()]  # NaN rows: the next test
+    else:
+        x = specials.repeat(2, 3)
+    q, scale = quantize_activations(x.to(DEVICE), x.shape[1], input_scale=input_scale)
+    xd = x.to(DEVICE)
+    if input_scale is None:
+        ref_scale = xd.abs().amax(dim=1, keepdim=True).clamp(min=1e-10) / 448.0
+        assert torch.equal(scale, ref_scale)
+        ref = (xd / ref_scale).clamp(-448.0, 448.0).to(FP8)
+    else:
+        ref = (xd / input_scale).clamp(-448.0, 448.0).to(FP8)
+    assert torch.equal(q.view(torch.uint8), ref.view(torch.uint8))
+    if input_scale is not None:
+        # NaN codes (a GPU's division may give every NaN one sign, as torch's there does)
+        assert [c & 0x7F for c in q.view(torch.uint8)[0, :4].tolist()] == [0x7F] * 4
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@needs_fp8
+@pytest.mark.parametrize("bits", [0x7FC00000, 0xFFC00000], ids=hex)
+def test_a_nan_activation_stays_nan(bits):
+    """A NaN among a token's activations stays NaN through the dynamic quantization (not
+    -448 or 448 in its place), whatever its group's scale (a maximum that may pass NaN by);
+    the other tokens are untouched."""
+    x = _inputs(3, 128, torch.bfloat16, seed=4)
+    x[1, 17] = _from_bits([bits])[0]
+    q, _ = quantize_activations(x, 128)
+    assert q[1, 17].float().isnan()
+    assert not q[[0, 2]].float().isnan().any()
+
+
 @needs_fp8
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_w8a8_matches_the_dequantized_product(case):
