@@ -1,10 +1,14 @@
-"""Engine overhead: the CPU an engine step costs around the model.
+"""Engine overhead: the host time an engine step costs around the model.
 
 The real engine runs (scheduler, block pool, prefix cache, input and attention-metadata
 preparation, sampler, output processing) with the model's forward replaced by ZeroModel,
 which returns zero hidden states and logits of the right shapes from preallocated buffers.
-With N sequences of C-token contexts decoding, the per-step time is what the engine adds to
-every step on top of the model.
+With N sequences of C-token contexts decoding, each step's wall time splits in two: the
+device stand-in, the work a GPU would do (the stub's forward and logits and the sampler's
+kernels, argmax included, here run on the CPU), and the host time, everything else
+(scheduling, input preparation, output processing): what the engine adds to every step on
+top of the model, and, as the engine schedules each step after the one before, how long a
+device waits for it every step.
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import gc
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,6 +42,7 @@ class ZeroModel(torch.nn.Module):
         self._logits = {dtype: torch.zeros(0, vocab_size, dtype=dtype, device=param.device)
                         for dtype in {torch.float32, param.dtype}}
         self._dtype = param.dtype
+        self.device_s = 0.0  # wall time in forward and compute_logits (device work)
 
     def __getattr__(self, name: str):
         try:
@@ -52,11 +58,36 @@ class ZeroModel(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_meta,
                 kv_caches) -> torch.Tensor:
-        return self._rows(self._hidden, input_ids.shape[0])
+        start = time.perf_counter()
+        hidden = self._rows(self._hidden, input_ids.shape[0])
+        self.device_s += time.perf_counter() - start
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        start = time.perf_counter()
         dtype = torch.float32 if float32 else self._dtype
-        return self._rows(self._logits[dtype], hidden.shape[0])
+        logits = self._rows(self._logits[dtype], hidden.shape[0])
+        self.device_s += time.perf_counter() - start
+        return logits
+
+
+class TimedSampler:
+    """The runner's sampler, its calls (the sampling kernels a GPU would run) timed into
+    clock.device_s; anything else is read from the sampler."""
+
+    def __init__(self, inner: Any, clock: ZeroModel):
+        self.inner = inner
+        self.clock = clock
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def __call__(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return self.inner(*args, **kwargs)
+        finally:
+            self.clock.device_s += time.perf_counter() - start
 
 
 @dataclass
@@ -68,17 +99,25 @@ class OverheadResult:
     # Means over the steps: with every context the same length, the steps that cross a
     # block boundary (allocation, prefix-cache registration) come together, so a median
     # would leave them out.
+    host_ms_per_step: float       # wall time but the device stand-in's
+    device_standin_ms_per_step: float  # the stub's forward and logits, and the sampler
     cpu_ms_per_step: float        # time.process_time() (every thread of the process)
     wall_ms_per_step: float       # time.perf_counter()
+    host_ms_per_step_median: float
+    device_standin_ms_per_step_median: float
     cpu_ms_per_step_median: float
     wall_ms_per_step_median: float
 
     def line(self) -> str:
         return (f"Engine overhead: {self.num_seqs} seqs x {self.context_len} context "
                 f"(mean {self.mean_context_len:.0f} at the end): "
-                f"{self.cpu_ms_per_step:.3f} ms CPU/step, {self.wall_ms_per_step:.3f} ms wall/step "
-                f"(mean of {self.steps} decode steps; medians {self.cpu_ms_per_step_median:.3f} "
-                f"/ {self.wall_ms_per_step_median:.3f})")
+                f"host {self.host_ms_per_step:.3f} ms/step + device stand-in "
+                f"{self.device_standin_ms_per_step:.3f} ms/step = "
+                f"{self.wall_ms_per_step:.3f} ms wall/step, {self.cpu_ms_per_step:.3f} ms "
+                f"CPU/step (mean of {self.steps} decode steps; medians host "
+                f"{self.host_ms_per_step_median:.3f}, device stand-in "
+                f"{self.device_standin_ms_per_step_median:.3f}, wall "
+                f"{self.wall_ms_per_step_median:.3f}, CPU {self.cpu_ms_per_step_median:.3f})")
 
 
 def _fill(engine) -> None:
@@ -118,7 +157,8 @@ def measure_overhead(model_path: str, num_seqs: int, context_len: int, steps: in
     try:
         config = engine.model_config
         runner = engine.model_runner
-        runner.model = ZeroModel(runner.model, config.hidden_size, config.vocab_size)
+        runner.model = clock = ZeroModel(runner.model, config.hidden_size, config.vocab_size)
+        runner.sampler = TimedSampler(runner.sampler, clock)
         # the stub writes no KV: its cache needs no memory backing it (which a real model's
         # writes would claim, and which is no engine work)
         runner.kv_pages = None
@@ -130,12 +170,14 @@ def measure_overhead(model_path: str, num_seqs: int, context_len: int, steps: in
         _fill(engine)
         for _ in range(warmup_steps):
             engine.step()
-        cpu, wall = [], []
+        cpu, wall, device = [], [], []
         for _ in range(steps):
+            d0 = clock.device_s
             c0, w0 = time.process_time(), time.perf_counter()
             finished = engine.step()
             cpu.append(time.process_time() - c0)
             wall.append(time.perf_counter() - w0)
+            device.append(clock.device_s - d0)
             if finished:
                 raise RuntimeError("a sequence finished during the overhead measurement")
         running, context, _, _ = kv_occupancy(engine)
@@ -145,6 +187,8 @@ def measure_overhead(model_path: str, num_seqs: int, context_len: int, steps: in
     finally:
         del engine
         gc.collect()
+    host = [w - d for w, d in zip(wall, device)]
+    series = (host, device, cpu, wall)
     return OverheadResult(num_seqs, context_len, context / num_seqs, steps,
-                          statistics.fmean(cpu) * 1e3, statistics.fmean(wall) * 1e3,
-                          statistics.median(cpu) * 1e3, statistics.median(wall) * 1e3)
+                          *(statistics.fmean(x) * 1e3 for x in series),
+                          *(statistics.median(x) * 1e3 for x in series))

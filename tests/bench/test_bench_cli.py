@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 import torch
 from click.testing import CliRunner
 
 from batchinfer.bench.cli import bench
-from batchinfer.bench.overhead import ZeroModel
+from batchinfer.bench.overhead import TimedSampler, ZeroModel
 
 THROUGHPUT = re.compile(r"^Throughput: ([\d.]+) requests/s, ([\d.]+) total tokens/s, "
                         r"([\d.]+) output tokens/s$", re.M)
@@ -256,12 +257,37 @@ def test_model_stub_reports_ms_per_step(cache_dir):
     assert sizes == [3, 5]
     for r in summary["overhead"]:
         assert r["context_len"] == 40 and r["steps"] == 4
-        for key in ("cpu_ms_per_step", "wall_ms_per_step", "cpu_ms_per_step_median",
-                    "wall_ms_per_step_median"):
-            assert 0 < r[key] < 1000
-    line = (r"^Engine overhead: \d+ seqs x 40 context \(mean \d+ at the end\): [\d.]+ ms CPU/step, "
-            r"[\d.]+ ms wall/step \(mean of 4 decode steps; medians [\d.]+ / [\d.]+\)$")
+        for key in ("host_ms_per_step", "device_standin_ms_per_step", "cpu_ms_per_step",
+                    "wall_ms_per_step"):
+            assert 0 < r[key] < 1000 and 0 < r[key + "_median"] < 1000
+        # the wall time splits into the host's and the device stand-in's (the sampler ran)
+        assert r["host_ms_per_step"] + r["device_standin_ms_per_step"] == pytest.approx(
+            r["wall_ms_per_step"])
+    line = (r"^Engine overhead: \d+ seqs x 40 context \(mean \d+ at the end\): host [\d.]+ "
+            r"ms/step \+ device stand-in [\d.]+ ms/step = [\d.]+ ms wall/step, [\d.]+ ms "
+            r"CPU/step \(mean of 4 decode steps; medians host [\d.]+, device stand-in [\d.]+, "
+            r"wall [\d.]+, CPU [\d.]+\)$")
     assert len(re.findall(line, out, re.M)) == 2
+
+
+def test_model_stub_times_the_device_work_apart():
+    stub = ZeroModel(torch.nn.Linear(4, 4), hidden_size=8, vocab_size=32)
+    calls = []
+
+    class Inner:
+        greeting = "hi"
+
+        def __call__(self, logits):
+            calls.append(logits.shape)
+            time.sleep(0.01)
+            return "tokens"
+
+    sampler = TimedSampler(Inner(), stub)
+    stub.compute_logits(stub(torch.zeros(3, dtype=torch.long), None, None, None))
+    assert 0 < stub.device_s < 0.01
+    assert sampler(torch.zeros(3, 32)) == "tokens" and calls == [(3, 32)]
+    assert stub.device_s >= 0.01
+    assert sampler.greeting == "hi"  # the rest is the sampler's
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
