@@ -88,31 +88,38 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         now = time.monotonic()
         allocate = self.kv.allocate_slots
-        cached, scheduled = out.cached_requests, out.num_scheduled_tokens
-        cached_ids, cached_blocks = cached.req_ids, cached.new_block_ids
-        cached_computed = cached.num_computed_tokens
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        cached = out.cached_requests
+        add_id, add_blocks = cached.req_ids.append, cached.new_block_ids.append
+        add_computed = cached.num_computed_tokens.append
+        counts = []
+        add_count = counts.append
+        running = self.running
+        # a for loop over a list that preemption shortens from its tail: it ends where the
+        # list does, and at the request that preempts itself
+        for req in running:
+            if budget <= 0:
+                break
             computed = req.num_computed_tokens
-            n = min(len(req.token_ids) - computed, budget)
+            n = len(req.token_ids) - computed
+            if n > budget:
+                n = budget
             if computed + n <= req.kv_room:
                 block_ids = []  # the common decode step: room in its blocks (allocate's test)
             else:
                 while (new_blocks := allocate(req, n)) is None:
-                    victim = self.running.pop()
+                    victim = running.pop()
                     self._preempt(victim, out)
                     if victim is req:
                         break
                 if new_blocks is None:
                     break
                 block_ids = [b.block_id for b in new_blocks]
-            cached_ids.append(req.request_id)
-            cached_blocks.append(block_ids)
-            cached_computed.append(computed)
-            scheduled[req.request_id] = n
+            add_id(req.request_id)
+            add_blocks(block_ids)
+            add_computed(computed)
+            add_count(n)
             budget -= n
-            i += 1
+        out.num_scheduled_tokens.update(zip(cached.req_ids, counts))
 
         while (self.waiting and budget > 0 and not out.preempted_req_ids
                and len(self.running) < self.max_num_seqs):
@@ -148,19 +155,22 @@ class Scheduler:
         those requests, in `req_ids` order."""
         requests = self.requests
         self.num_steps += 1
+        prompt_computed = 0
         for req_id, n in plan.num_scheduled_tokens.items():
             req = requests[req_id]
-            if req.num_computed_tokens < req.num_prompt_tokens:
-                self.num_prompt_tokens_computed += min(
-                    n, req.num_prompt_tokens - req.num_computed_tokens)
-            req.num_computed_tokens += n
+            computed = req.num_computed_tokens
+            if computed < req.num_prompt_tokens:
+                prompt_computed += min(n, req.num_prompt_tokens - computed)
+            req.num_computed_tokens = computed + n
+        self.num_prompt_tokens_computed += prompt_computed
         self.num_generated_tokens += len(token_ids)
         now = time.monotonic()
-        sampled = [requests[req_id] for req_id in req_ids]
+        sampled = list(map(requests.__getitem__, req_ids))
         for req, token in zip(sampled, token_ids):
-            req.token_ids.append(token)
-            if req.metrics.first_token_time is None:
+            tokens = req.token_ids
+            if len(tokens) == req.num_prompt_tokens:  # its first output token
                 req.metrics.first_token_time = now
+            tokens.append(token)
         return sampled
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
