@@ -114,7 +114,8 @@ DATASET_FLAGS = ("dataset_name", "dataset_path", "input_len", "output_len", "ran
                    "median of the per-run ratios: single runs on shared machines move.")
 @click.option("--model-stub", is_flag=True,
               help="Engine-overhead mode: the model's forward is a no-op; reports ms per "
-                   "decode step at each of --num-seqs.")
+                   "decode step at each of --num-seqs, split into host time and the device "
+                   "stand-in (the stub's forward and the sampler, a GPU's work).")
 @click.option("--num-seqs", default="64,256,1024", callback=_parse_int_list,
               help="--model-stub: running sequences to measure at.")
 @click.option("--context-len", type=int, default=1024, callback=_positive,

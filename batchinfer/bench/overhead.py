@@ -1,23 +1,31 @@
-"""Engine overhead: the CPU an engine step costs around the model.
+"""Engine overhead: the host time an engine step costs around the model.
 
 The real engine runs (scheduler, block pool, prefix cache, input and attention-metadata
 preparation, sampler, output processing) with the model's forward replaced by ZeroModel,
 which returns zero hidden states and logits of the right shapes from preallocated buffers.
-With N sequences of C-token contexts decoding, the per-step time is what the engine adds to
-every step on top of the model.
+With N sequences of C-token contexts decoding, each step's wall time splits in two: the
+device stand-in, the work a GPU would do (the stub's forward and logits and the sampler's
+kernels, argmax included, here run on the CPU), and the host time, everything else
+(scheduling, input preparation, output processing): what the engine adds to every step on
+top of the model, and, as the engine schedules each step after the one before, how long a
+device waits for it every step.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from batchinfer.bench.engine_run import kv_occupancy
 from batchinfer.bench.workloads import Sampling
+from batchinfer.engine.gc_freeze import startup_heap_frozen
 
 FILL_TOKEN_BUDGET = 65536
 
@@ -37,6 +45,8 @@ class ZeroModel(torch.nn.Module):
         self._logits = {dtype: torch.zeros(0, vocab_size, dtype=dtype, device=param.device)
                         for dtype in {torch.float32, param.dtype}}
         self._dtype = param.dtype
+        # wall and CPU time in forward, compute_logits and (TimedSampler) the sampler
+        self.device_s = self.device_cpu_s = 0.0
 
     def __getattr__(self, name: str):
         try:
@@ -52,11 +62,39 @@ class ZeroModel(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_meta,
                 kv_caches) -> torch.Tensor:
-        return self._rows(self._hidden, input_ids.shape[0])
+        with self.on_device():
+            return self._rows(self._hidden, input_ids.shape[0])
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         dtype = torch.float32 if float32 else self._dtype
-        return self._rows(self._logits[dtype], hidden.shape[0])
+        with self.on_device():
+            return self._rows(self._logits[dtype], hidden.shape[0])
+
+    @contextlib.contextmanager
+    def on_device(self) -> Iterator[None]:
+        """Count the block's wall and CPU time as device work."""
+        wall, cpu = time.perf_counter(), time.process_time()
+        try:
+            yield
+        finally:
+            self.device_s += time.perf_counter() - wall
+            self.device_cpu_s += time.process_time() - cpu
+
+
+class TimedSampler:
+    """The runner's sampler, its calls (the sampling kernels a GPU would run) timed as the
+    clock's device work; anything else is read from the sampler."""
+
+    def __init__(self, inner: Any, clock: ZeroModel):
+        self.inner = inner
+        self.clock = clock
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def __call__(self, *args, **kwargs):
+        with self.clock.on_device():
+            return self.inner(*args, **kwargs)
 
 
 @dataclass
@@ -68,17 +106,34 @@ class OverheadResult:
     # Means over the steps: with every context the same length, the steps that cross a
     # block boundary (allocation, prefix-cache registration) come together, so a median
     # would leave them out.
-    cpu_ms_per_step: float        # time.process_time() (every thread of the process)
-    wall_ms_per_step: float       # time.perf_counter()
-    cpu_ms_per_step_median: float
+    # wall time (time.perf_counter()), split into the host's and the device stand-in's (the
+    # stub's forward and logits, and the sampler)
+    wall_ms_per_step: float
+    host_ms_per_step: float
+    device_standin_ms_per_step: float
+    # CPU time (time.process_time(), every thread of the process), split the same way: on a
+    # machine shared with other work, the steadier measure of the engine's own work
+    cpu_ms_per_step: float
+    host_cpu_ms_per_step: float
+    device_standin_cpu_ms_per_step: float
     wall_ms_per_step_median: float
+    host_ms_per_step_median: float
+    device_standin_ms_per_step_median: float
+    cpu_ms_per_step_median: float
+    host_cpu_ms_per_step_median: float
+    device_standin_cpu_ms_per_step_median: float
 
     def line(self) -> str:
         return (f"Engine overhead: {self.num_seqs} seqs x {self.context_len} context "
                 f"(mean {self.mean_context_len:.0f} at the end): "
-                f"{self.cpu_ms_per_step:.3f} ms CPU/step, {self.wall_ms_per_step:.3f} ms wall/step "
-                f"(mean of {self.steps} decode steps; medians {self.cpu_ms_per_step_median:.3f} "
-                f"/ {self.wall_ms_per_step_median:.3f})")
+                f"host {self.host_ms_per_step:.3f} + device stand-in "
+                f"{self.device_standin_ms_per_step:.3f} = {self.wall_ms_per_step:.3f} ms "
+                f"wall/step, host {self.host_cpu_ms_per_step:.3f} + device stand-in "
+                f"{self.device_standin_cpu_ms_per_step:.3f} = {self.cpu_ms_per_step:.3f} ms "
+                f"CPU/step (means of {self.steps} decode steps; medians "
+                f"{self.host_ms_per_step_median:.3f} + {self.device_standin_ms_per_step_median:.3f}"
+                f" wall, {self.host_cpu_ms_per_step_median:.3f} + "
+                f"{self.device_standin_cpu_ms_per_step_median:.3f} CPU)")
 
 
 def _fill(engine) -> None:
@@ -118,26 +173,31 @@ def measure_overhead(model_path: str, num_seqs: int, context_len: int, steps: in
     try:
         config = engine.model_config
         runner = engine.model_runner
-        runner.model = ZeroModel(runner.model, config.hidden_size, config.vocab_size)
+        runner.model = clock = ZeroModel(runner.model, config.hidden_size, config.vocab_size)
+        runner.sampler = TimedSampler(runner.sampler, clock)
         # the stub writes no KV: its cache needs no memory backing it (which a real model's
         # writes would claim, and which is no engine work)
         runner.kv_pages = None
         rng = np.random.default_rng(seed)
         params = sampling.engine_params(max_new)
-        for i in range(num_seqs):
-            engine.add_request(f"overhead-{i}",
-                               rng.integers(0, config.vocab_size, size=context_len).tolist(), params)
-        _fill(engine)
-        for _ in range(warmup_steps):
-            engine.step()
-        cpu, wall = [], []
-        for _ in range(steps):
-            c0, w0 = time.process_time(), time.perf_counter()
-            finished = engine.step()
-            cpu.append(time.process_time() - c0)
-            wall.append(time.perf_counter() - w0)
-            if finished:
-                raise RuntimeError("a sequence finished during the overhead measurement")
+        wall, device, cpu, device_cpu = [], [], [], []
+        with startup_heap_frozen():  # as `batchinfer run` and LLM.generate run
+            for i in range(num_seqs):
+                engine.add_request(f"overhead-{i}", rng.integers(
+                    0, config.vocab_size, size=context_len).tolist(), params)
+            _fill(engine)
+            for _ in range(warmup_steps):
+                engine.step()
+            for _ in range(steps):
+                d0, dc0 = clock.device_s, clock.device_cpu_s
+                c0, w0 = time.process_time(), time.perf_counter()
+                finished = engine.step()
+                cpu.append(time.process_time() - c0)
+                wall.append(time.perf_counter() - w0)
+                device.append(clock.device_s - d0)
+                device_cpu.append(clock.device_cpu_s - dc0)
+                if finished:
+                    raise RuntimeError("a sequence finished during the overhead measurement")
         running, context, _, _ = kv_occupancy(engine)
         if running != num_seqs:
             raise RuntimeError(f"only {running} of {num_seqs} sequences were running; the KV "
@@ -145,6 +205,9 @@ def measure_overhead(model_path: str, num_seqs: int, context_len: int, steps: in
     finally:
         del engine
         gc.collect()
+    host = [w - d for w, d in zip(wall, device)]
+    host_cpu = [c - d for c, d in zip(cpu, device_cpu)]
+    series = (wall, host, device, cpu, host_cpu, device_cpu)
     return OverheadResult(num_seqs, context_len, context / num_seqs, steps,
-                          statistics.fmean(cpu) * 1e3, statistics.fmean(wall) * 1e3,
-                          statistics.median(cpu) * 1e3, statistics.median(wall) * 1e3)
+                          *(statistics.fmean(x) * 1e3 for x in series),
+                          *(statistics.median(x) * 1e3 for x in series))

@@ -18,10 +18,6 @@ from batchinfer.outputs import FlatLogprobs
 KEPT_PROMPT_LOGPROBS = 20
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool):
         self.block_size = block_size
@@ -129,15 +125,16 @@ class KVCacheManager:
         total = request.num_computed_tokens + num_computed_tokens + num_new_tokens
         if not computed_blocks and total <= request.kv_room:
             return []  # the common decode step: room in the last block, nothing to cache
-        blocks = self.req_blocks.get(request.request_id)
+        req_id, bs = request.request_id, self.block_size
+        blocks = self.req_blocks.get(req_id)
         if blocks is None:
-            blocks = self.req_blocks[request.request_id] = []
+            blocks = self.req_blocks[req_id] = []
         admitted = not blocks
-        num_new = _cdiv(total, self.block_size) - len(blocks) - len(computed_blocks)
-        reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        num_new = -(-total // bs) - len(blocks) - len(computed_blocks)
+        reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0) if computed_blocks else 0
         if max(num_new, 0) + reclaimed > self.pool.num_free_blocks:
             if not blocks:
-                del self.req_blocks[request.request_id]
+                del self.req_blocks[req_id]
             return None
         if admitted and self.enable_caching:
             self.queried_tokens += request.num_tokens
@@ -147,25 +144,28 @@ class KVCacheManager:
             blocks.extend(computed_blocks)
         new = self.pool.allocate(num_new) if num_new > 0 else []
         blocks.extend(new)
-        room = len(blocks) * self.block_size
+        room = len(blocks) * bs
         if self.enable_caching:
-            self._cache_full_blocks(request, blocks, total // self.block_size)
             # the block being filled must be registered once it is full
-            room = min(room, (self.num_cached_blocks.get(request.request_id, 0) + 1)
-                       * self.block_size - 1)
+            num_cached = self._cache_full_blocks(request, blocks, total // bs)
+            room = min(room, (num_cached + 1) * bs - 1)
         request.kv_room = room
         return new
 
-    def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_full: int) -> None:
+    def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_full: int) -> int:
+        """Register the request's full blocks up to num_full; returns how many it has
+        registered."""
         start = self.num_cached_blocks.get(request.request_id, 0)
         if num_full <= start:
-            return
+            return start
         hashes = self._hashes(request, num_full)
+        cache_block = self.pool.cache_block
         for i in range(start, num_full):
-            self.pool.cache_block(blocks[i], hashes[i])
+            cache_block(blocks[i], hashes[i])
         self.num_cached_blocks[request.request_id] = num_full
         if request.prompt_logprobs is not None:
             self.share_prompt_logprobs(request)
+        return num_full
 
     def free(self, request: Request) -> None:
         request.kv_room = 0

@@ -14,6 +14,7 @@ import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import compress
 
 import numpy as np
 import torch
@@ -247,9 +248,10 @@ class ModelRunner:
         rows = batch.rows(plan.num_scheduled_tokens)
         cached_rows = rows[:len(cached.req_ids)]  # the cached requests come first
         batch.num_computed_tokens[cached_rows] = cached.num_computed_tokens
-        for i, block_ids in enumerate(cached.new_block_ids):
-            if block_ids:
-                batch.append_blocks(int(cached_rows[i]), block_ids)
+        new_block_ids = cached.new_block_ids
+        # the requests with new blocks (most decode steps have none)
+        for i in compress(range(len(new_block_ids)), new_block_ids):
+            batch.append_blocks(int(cached_rows[i]), new_block_ids[i])
         return rows
 
     def _slots(self, block_tables: np.ndarray, num_new: np.ndarray,

@@ -5,6 +5,9 @@ Running requests go first (oldest first), then waiting ones. A prompt longer tha
 remaining budget is split across steps (chunked prefill). When a running request needs a
 block and none is free, the most recently admitted running request is preempted: its
 blocks are freed and it is recomputed later (its prefix is usually still cached).
+
+As in vLLM V1, a request's computed tokens count its scheduled ones as soon as they are
+scheduled: by the time the next plan is made, the one before has run.
 """
 from __future__ import annotations
 
@@ -88,31 +91,42 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         now = time.monotonic()
         allocate = self.kv.allocate_slots
-        cached, scheduled = out.cached_requests, out.num_scheduled_tokens
-        cached_ids, cached_blocks = cached.req_ids, cached.new_block_ids
-        cached_computed = cached.num_computed_tokens
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        cached = out.cached_requests
+        add_id, add_blocks = cached.req_ids.append, cached.new_block_ids.append
+        add_computed = cached.num_computed_tokens.append
+        counts = []
+        add_count = counts.append
+        prompt_computed = 0
+        running = self.running
+        # a for loop over a list that preemption shortens from its tail: it ends where the
+        # list does, and at the request that preempts itself
+        for req in running:
+            if budget <= 0:
+                break
             computed = req.num_computed_tokens
-            n = min(len(req.token_ids) - computed, budget)
+            n = len(req.token_ids) - computed
+            if n > budget:
+                n = budget
+            if computed < req.num_prompt_tokens:
+                prompt_computed += min(n, req.num_prompt_tokens - computed)
             if computed + n <= req.kv_room:
                 block_ids = []  # the common decode step: room in its blocks (allocate's test)
             else:
                 while (new_blocks := allocate(req, n)) is None:
-                    victim = self.running.pop()
+                    victim = running.pop()
                     self._preempt(victim, out)
                     if victim is req:
                         break
                 if new_blocks is None:
                     break
                 block_ids = [b.block_id for b in new_blocks]
-            cached_ids.append(req.request_id)
-            cached_blocks.append(block_ids)
-            cached_computed.append(computed)
-            scheduled[req.request_id] = n
+            req.num_computed_tokens = computed + n
+            add_id(req.request_id)
+            add_blocks(block_ids)
+            add_computed(computed)
+            add_count(n)
             budget -= n
-            i += 1
+        out.num_scheduled_tokens.update(zip(cached.req_ids, counts))
 
         while (self.waiting and budget > 0 and not out.preempted_req_ids
                and len(self.running) < self.max_num_seqs):
@@ -123,7 +137,8 @@ class Scheduler:
             if self.kv.allocate_slots(req, n, hits, num_hit) is None:
                 break
             self.waiting.popleft()
-            req.num_computed_tokens = num_hit
+            req.num_computed_tokens = num_hit + n
+            prompt_computed += min(n, max(req.num_prompt_tokens - num_hit, 0))
             if cached_logprobs is not None:
                 req.prompt_logprobs.extend(cached_logprobs)
             if req.num_cached_tokens < 0:
@@ -137,30 +152,26 @@ class Scheduler:
             out.num_scheduled_tokens[req.request_id] = n
             budget -= n
 
+        self.num_prompt_tokens_computed += prompt_computed
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         return out
 
     def update_from_output(self, plan: SchedulerOutput, req_ids: list[str],
                            token_ids: list[int]) -> list[Request]:
-        """After the step `plan` ran: each scheduled request's computed tokens catch up by
-        what was scheduled, and each request in `req_ids` gets its sampled token. Returns
-        those requests, in `req_ids` order."""
+        """After the step `plan` ran: each request in `req_ids` gets its sampled token
+        (their computed tokens caught up with what was scheduled when it was planned).
+        Returns those requests, in `req_ids` order."""
         requests = self.requests
         self.num_steps += 1
-        for req_id, n in plan.num_scheduled_tokens.items():
-            req = requests[req_id]
-            if req.num_computed_tokens < req.num_prompt_tokens:
-                self.num_prompt_tokens_computed += min(
-                    n, req.num_prompt_tokens - req.num_computed_tokens)
-            req.num_computed_tokens += n
         self.num_generated_tokens += len(token_ids)
         now = time.monotonic()
-        sampled = [requests[req_id] for req_id in req_ids]
+        sampled = list(map(requests.__getitem__, req_ids))
         for req, token in zip(sampled, token_ids):
-            req.token_ids.append(token)
-            if req.metrics.first_token_time is None:
+            tokens = req.token_ids
+            if len(tokens) == req.num_prompt_tokens:  # its first output token
                 req.metrics.first_token_time = now
+            tokens.append(token)
         return sampled
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:

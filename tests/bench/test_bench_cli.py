@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 import torch
 from click.testing import CliRunner
 
 from batchinfer.bench.cli import bench
-from batchinfer.bench.overhead import ZeroModel
+from batchinfer.bench.overhead import TimedSampler, ZeroModel
 
 THROUGHPUT = re.compile(r"^Throughput: ([\d.]+) requests/s, ([\d.]+) total tokens/s, "
                         r"([\d.]+) output tokens/s$", re.M)
@@ -256,12 +257,40 @@ def test_model_stub_reports_ms_per_step(cache_dir):
     assert sizes == [3, 5]
     for r in summary["overhead"]:
         assert r["context_len"] == 40 and r["steps"] == 4
-        for key in ("cpu_ms_per_step", "wall_ms_per_step", "cpu_ms_per_step_median",
-                    "wall_ms_per_step_median"):
-            assert 0 < r[key] < 1000
-    line = (r"^Engine overhead: \d+ seqs x 40 context \(mean \d+ at the end\): [\d.]+ ms CPU/step, "
-            r"[\d.]+ ms wall/step \(mean of 4 decode steps; medians [\d.]+ / [\d.]+\)$")
+        for clock in ("", "cpu_"):
+            total, host, device = (r[f"{part}{clock}ms_per_step"]
+                                   for part in ("wall_" if not clock else "", "host_",
+                                                "device_standin_"))
+            assert 0 < host < 1000 and 0 < device < 1000
+            # each clock's time splits into the host's and the device stand-in's (the
+            # sampler ran)
+            assert host + device == pytest.approx(total)
+            assert 0 < r[f"host_{clock}ms_per_step_median"] < 1000
+    line = (r"^Engine overhead: \d+ seqs x 40 context \(mean \d+ at the end\): host [\d.]+ "
+            r"\+ device stand-in [\d.]+ = [\d.]+ ms wall/step, host [\d.]+ \+ device stand-in "
+            r"[\d.]+ = [\d.]+ ms CPU/step \(means of 4 decode steps; medians [\d.]+ \+ [\d.]+ "
+            r"wall, [\d.]+ \+ [\d.]+ CPU\)$")
     assert len(re.findall(line, out, re.M)) == 2
+
+
+def test_model_stub_times_the_device_work_apart():
+    stub = ZeroModel(torch.nn.Linear(4, 4), hidden_size=8, vocab_size=32)
+    calls = []
+
+    class Inner:
+        greeting = "hi"
+
+        def __call__(self, logits):
+            calls.append(logits.shape)
+            time.sleep(0.01)
+            return "tokens"
+
+    sampler = TimedSampler(Inner(), stub)
+    stub.compute_logits(stub(torch.zeros(3, dtype=torch.long), None, None, None))
+    assert 0 < stub.device_s < 0.01 and stub.device_cpu_s >= 0
+    assert sampler(torch.zeros(3, 32)) == "tokens" and calls == [(3, 32)]
+    assert stub.device_s >= 0.01  # its sleep: wall time, not CPU time
+    assert sampler.greeting == "hi"  # the rest is the sampler's
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

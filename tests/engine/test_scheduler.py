@@ -43,8 +43,9 @@ class Sim:
     def apply(self, out: SchedulerOutput) -> SchedulerOutput:
         """What the model's step gives the scheduler: a sampled token for each request
         whose computed tokens reach its end; one at its max_tokens finishes."""
-        sampled = [req_id for req_id, n in out.num_scheduled_tokens.items()
-                   if self.requests[req_id].num_computed_tokens + n
+        # schedule() counted the scheduled tokens computed already
+        sampled = [req_id for req_id in out.num_scheduled_tokens
+                   if self.requests[req_id].num_computed_tokens
                    == self.requests[req_id].num_tokens]
         tokens = [1000 + self.requests[req_id].num_output_tokens for req_id in sampled]
         for req in self.sched.update_from_output(out, sampled, tokens):
@@ -73,7 +74,7 @@ class Sim:
         for req_id, blocks in self.kv.req_blocks.items():
             req = self.requests[req_id]
             assert req.status == RequestStatus.RUNNING
-            needed = req.num_computed_tokens + out.num_scheduled_tokens.get(req_id, 0)
+            needed = req.num_computed_tokens  # the scheduled tokens included
             assert len(blocks) >= -(-needed // self.block_size)
             if self.kv.enable_caching:  # every full block of scheduled tokens is registered
                 assert self.kv.num_cached_blocks.get(req_id, 0) == needed // self.block_size
