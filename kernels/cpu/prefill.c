@@ -29,7 +29,9 @@
  * products on it instead (prefill_item_dot, on dot_attn.h's micro-kernel; from about a
  * thousand keys on 1.5-1.7x faster at head_dim 64 and 128, 1.2-1.3x at 32). On an Intel
  * Xeon with AMX the dot product was no faster than float32 FMAs (it issues at half their
- * rate), and AMX tiles for the two products gained about 1% end to end.
+ * rate), and AMX tiles for the two products gained about 1% end to end. A build without
+ * the instructions runs prefill_item_dot on FMAs (dot_attn.h) when asked (bf16_dot), with
+ * the same results; the caller does not ask, as it has no faster products there.
  *
  * init_out/init_lse (optional): a partial result of the same query rows over other keys
  * (a cascade's shared prefix), merged in by starting each row's softmax from it.
@@ -403,7 +405,7 @@ INLINE void row_out(const dot_rows *st, int r, float *o, float *m, float *l, int
  * 0.84x at 256, 0.65x at 1024; head_dim 128, one 1024-token chunk, 0.59x. */
 #define DOT_MIN_KEY_ELEMENTS 16384
 
-/* prefill_item for bfloat16 on CPUs with AVX512-BF16 (and head_dim a multiple of 32): the
+/* prefill_item for bfloat16 (head_dim a multiple of 32), made for AVX512-BF16: the
  * same work item as two small products per block of keys on dot_attn.h's micro-kernel,
  * whose paired dot products run twice the multiply-adds of float32 FMAs. Each block of up
  * to DOT_KEY_BLOCK keys is laid out once for the item; the item's rows then take it
@@ -474,6 +476,7 @@ INLINE int prefill_item_dot(
     return 0;
 }
 
+/* whether prefill_item_dot runs on the AVX512-BF16 instructions (else on FMAs) */
 int prefill_bf16_dot_available(void) { return HAVE_BF16_DOT; }
 
 /* Entry points, one per element type and cache type (that type, or E4M3 codes: FP8, with
@@ -483,7 +486,7 @@ int prefill_bf16_dot_available(void) { return HAVE_BF16_DOT; }
  * same shape; lse (optional) [tokens, heads] float32. init_out [tokens, num_kv_heads, group,
  * head_dim] and init_lse [tokens, num_kv_heads, group], both or neither, with strides
  * (token, KV head, group row) os0..os2 and ls0..ls2 (head_dim contiguous). bf16_dot: long
- * bfloat16 chunks may take prefill_item_dot (where this build has the instructions).
+ * bfloat16 chunks take prefill_item_dot.
  * Returns nonzero, touching nothing, for a shape it does not handle; 2 when out of memory
  * (out then holds the rows of the items that ran). */
 #define ENTRY(NAME, T, CT, BF16, FP8)                                                         \
@@ -519,7 +522,7 @@ int NAME(const T *q, int64_t q_token_stride, const CT *k_cache, const CT *v_cach
         const int64_t n = ch[2] - ch[1], t0 = item_t0[i];                                      \
         const int64_t t1 = t0 + per_item < n ? t0 + per_item : n;                              \
         const int32_t *table = block_tables + ch[0] * bt_stride;                              \
-        if (BF16 && HAVE_BF16_DOT && bf16_dot && head_dim % 32 == 0                            \
+        if (BF16 && bf16_dot && head_dim % 32 == 0                                             \
                 && (ch[4] - ch[3]) * head_dim >= DOT_MIN_KEY_ELEMENTS                          \
             ? prefill_item_dot((const uint16_t *)q, q_token_stride, k_cache, v_cache, table,   \
                                block_size, ch[1], n, ch[3], ch[4], t0, t1, h, num_kv_heads,    \
