@@ -3,6 +3,8 @@ float32: float32 inputs within float32 rounding, bfloat16 inputs as closely as t
 kernel gets on the same inputs."""
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 
@@ -118,3 +120,23 @@ def test_a_nan_key_reaches_every_row(kernel, dtype):
     out, lse = kernel(q, k, v, 0.2)
     assert out[:, 1].isnan().all() and lse[:, 1].isnan().all()
     assert not out[:, 0].isnan().any() and not lse[:, 0].isnan().any()
+
+
+def test_the_fma_form_gives_the_bfloat16_instructions_bits(kernel, monkeypatch):
+    """Built without AVX512-BF16 (x86-64-v3: AVX2), bfloat16 runs its dot products as two
+    FMAs in vdpbf16ps's order; on a CPU with the instructions both builds give the same
+    bits, the AVX2 one in 8-lane vectors and register blocks of its own."""
+    if not kernel.bf16_instructions or platform.machine() != "x86_64":
+        pytest.skip("this build has no AVX512-BF16 instructions to compare with")
+    monkeypatch.setattr(cpu.build, "_built", {})
+    monkeypatch.setenv(cpu.build.ARCH_ENV, "x86-64-v3")
+    avx2 = cpu.shared_prefix.SharedPrefixKernel(cpu.build.build(cpu.shared_prefix.SOURCE))
+    assert not avx2.bf16_instructions
+    avx2.use_bf16 = True
+    gen = torch.Generator().manual_seed(5)
+    for tokens, keys, kv_heads, group, head_dim in [(37, 600, 3, 3, 64), (9, 130, 2, 4, 128)]:
+        q = (torch.randn(tokens, kv_heads * group, head_dim, generator=gen) * 3).bfloat16()
+        k, v = (torch.randn(keys, kv_heads, head_dim, generator=gen).bfloat16() for _ in range(2))
+        out, lse = kernel(q, k, v, head_dim ** -0.5)
+        out2, lse2 = avx2(q, k, v, head_dim ** -0.5)
+        assert torch.equal(out, out2) and torch.equal(lse, lse2)
