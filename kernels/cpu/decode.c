@@ -47,12 +47,77 @@
 #define MAX_GROUP 16   /* query heads per KV head */
 #define MAX_CHUNKS 16  /* head_dim / 16 */
 
-/* the maximum of v's lanes, in every lane (a butterfly: no serial chain of 16 steps) */
-INLINE f32x16 max_all(f32x16 v) {
-    v = vmax(v, SHUFFLE(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
-    v = vmax(v, SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
-    v = vmax(v, SHUFFLE(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
-    return vmax(v, SHUFFLE(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+/* A 16-lane vector as NSUB fvecs (v[h]: lanes h * NLANES ...), for the helpers below. */
+typedef struct { fvec v[NSUB]; } fv16;
+
+/* fvec shuffles within one vector and across two (clang's and GCC's spellings) */
+#if defined(__clang__)
+#define SHUF1(a, ...) __builtin_shufflevector(a, a, __VA_ARGS__)
+#define SHUF2(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUF1(a, ...) __builtin_shuffle(a, (ivec){__VA_ARGS__})
+#define SHUF2(a, b, ...) __builtin_shuffle(a, b, (ivec){__VA_ARGS__})
+#endif
+
+/* the maximum of v's 16 lanes, in every lane (a butterfly: lanes 8 apart, then 4, 2, 1;
+ * vmax keeps its second argument when it is NaN, so the lanes can differ only then) */
+INLINE fv16 max_all(fv16 x) {
+#if NLANES == 16
+    fvec v = x.v[0];
+    v = fvmax(v, SHUF1(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    v = fvmax(v, SHUF1(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+    v = fvmax(v, SHUF1(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+    x.v[0] = fvmax(v, SHUF1(v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+#elif NLANES == 8
+    fvec lo = fvmax(x.v[0], x.v[1]), hi = fvmax(x.v[1], x.v[0]);
+    lo = fvmax(lo, SHUF1(lo, 4, 5, 6, 7, 0, 1, 2, 3));
+    hi = fvmax(hi, SHUF1(hi, 4, 5, 6, 7, 0, 1, 2, 3));
+    lo = fvmax(lo, SHUF1(lo, 2, 3, 0, 1, 6, 7, 4, 5));
+    hi = fvmax(hi, SHUF1(hi, 2, 3, 0, 1, 6, 7, 4, 5));
+    x.v[0] = fvmax(lo, SHUF1(lo, 1, 0, 3, 2, 5, 4, 7, 6));
+    x.v[1] = fvmax(hi, SHUF1(hi, 1, 0, 3, 2, 5, 4, 7, 6));
+#else
+    float f[16], g[16];
+    memcpy(f, x.v, sizeof f);
+    for (int step = 8; step >= 1; step /= 2) {
+        for (int i = 0; i < 16; i++) g[i] = f[i] > f[i ^ step] ? f[i] : f[i ^ step];
+        memcpy(f, g, sizeof f);
+    }
+    memcpy(x.v, f, sizeof f);
+#endif
+    return x;
+}
+
+/* out: the sums of the 16 lanes of x[0..16), key j's in lane j, added in vec.h's
+ * transpose_sum16 order (lanes 8 apart first, then 4, 2, 1). */
+INLINE fv16 transpose_sum(const fv16 *x) {
+    fv16 out;
+#if NLANES == 16
+    out.v[0] = transpose_sum16(&x[0].v[0]);
+#elif NLANES == 8
+    for (int half = 0; half < 2; half++) {
+        fvec z[8], a[4], b[2];
+        for (int j = 0; j < 8; j++) z[j] = x[8 * half + j].v[0] + x[8 * half + j].v[1];
+        for (int i = 0; i < 4; i++)
+            a[i] = SHUF2(z[2 * i], z[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11)
+                 + SHUF2(z[2 * i], z[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+        for (int i = 0; i < 2; i++)
+            b[i] = SHUF2(a[2 * i], a[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13)
+                 + SHUF2(a[2 * i], a[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+        out.v[half] = SHUF2(b[0], b[1], 0, 2, 4, 6, 8, 10, 12, 14)
+                    + SHUF2(b[0], b[1], 1, 3, 5, 7, 9, 11, 13, 15);
+    }
+#else
+    float o[16];
+    for (int j = 0; j < 16; j++) {
+        float f[16];
+        memcpy(f, x[j].v, sizeof f);
+        o[j] = ((f[0] + f[8]) + (f[4] + f[12]) + ((f[2] + f[10]) + (f[6] + f[14])))
+             + (((f[1] + f[9]) + (f[5] + f[13])) + ((f[3] + f[11]) + (f[7] + f[15])));
+    }
+    memcpy(out.v, o, sizeof o);
+#endif
+    return out;
 }
 
 #define MAX_PASS 8     /* query rows walked together (their q and accumulators in registers) */
@@ -63,55 +128,99 @@ INLINE f32x16 max_all(f32x16 v) {
 
 /* Elements are float32 (bf16 == 0) or bfloat16 (bf16 == 1); the functions below are
  * inlined with a constant flag, so each entry point compiles to its own straight code. */
-/* One head row of nc * 16 elements as nc vectors. bfloat16 rows with an even nc are read
+/* One head row of nc * 16 elements as nc * NSUB vectors of the register width (vec.h's fvec),
+ * lane for lane as nc 16-lane vectors would hold it. bfloat16 rows with an even nc are read
  * 32 elements at a time and split into their even and odd elements (a shift and a mask,
- * where widening in order takes a load, a conversion and a shift per 16): dst[2b] holds
- * elements 32b, 32b + 2, ..., dst[2b + 1] elements 32b + 1, 32b + 3, .... q, k, v and the
- * accumulators all use this order, so dot products and weighted sums are unchanged;
+ * where widening in order takes a load, a conversion and a shift per 16): 16-lane vector 2b
+ * holds elements 32b, 32b + 2, ..., vector 2b + 1 elements 32b + 1, 32b + 3, .... q, k, v and
+ * the accumulators all use this order, so dot products and weighted sums are unchanged;
  * store_row puts the elements back in place. */
-INLINE void load_row(const void *base, int64_t i, f32x16 *dst, int64_t nc, int bf16) {
+INLINE void load_row(const void *base, int64_t i, fvec *dst, int64_t nc, int bf16) {
     if (bf16 && nc % 2 == 0) {
-        for (int64_t b = 0; b < nc / 2; b++) {
-            u32x16 w;
-            memcpy(&w, (const uint16_t *)base + i + 32 * b, sizeof w);
-            const u32x16 even = w << 16, odd = w & 0xffff0000u;
-            memcpy(&dst[2 * b], &even, sizeof even);
-            memcpy(&dst[2 * b + 1], &odd, sizeof odd);
+        for (int64_t b = 0; b < nc / 2; b++)
+            for (int h = 0; h < NSUB; h++) {
+                uvec w;
+                memcpy(&w, (const uint16_t *)base + i + 32 * b + 2 * NLANES * h, sizeof w);
+                const uvec even = w << 16, odd = w & 0xffff0000u;
+                memcpy(&dst[2 * b * NSUB + h], &even, sizeof even);
+                memcpy(&dst[(2 * b + 1) * NSUB + h], &odd, sizeof odd);
+            }
+    } else if (bf16) {
+        for (int64_t c = 0; c < nc * NSUB; c++) {
+            hvec h;
+            memcpy(&h, (const uint16_t *)base + i + NLANES * c, sizeof h);
+            const uvec w = __builtin_convertvector(h, uvec) << 16;
+            memcpy(&dst[c], &w, sizeof w);
         }
     } else {
-        for (int64_t c = 0; c < nc; c++) dst[c] = load16(base, i + 16 * c, bf16);
+        for (int64_t c = 0; c < nc * NSUB; c++) dst[c] = load_fv((const float *)base + i + NLANES * c);
     }
 }
-INLINE void store_row(void *base, int64_t i, const f32x16 *src, float scale, int64_t nc,
+/* v rounded to bfloat16 (vec.h's bf16_bits) */
+INLINE uvec bf16_bits_fv(fvec v) {
+    uvec u;
+    memcpy(&u, &v, sizeof u);
+    const uvec nan = (uvec)((u & 0x7fffffffu) > 0x7f800000u);
+    const uvec r = u + 0x7fffu + ((u >> 16) & 1u);
+    return (r & ~nan) | ((u | 0x400000u) & nan);
+}
+INLINE void store_row(void *base, int64_t i, const fvec *src, float scale, int64_t nc,
                       int bf16) {
     if (bf16 && nc % 2 == 0) {
-        for (int64_t b = 0; b < nc / 2; b++) {
-            const u32x16 even = bf16_bits(src[2 * b] * scale) >> 16;
-            const u32x16 odd = bf16_bits(src[2 * b + 1] * scale) & 0xffff0000u;
-            const u32x16 w = even | odd;
-            memcpy((uint16_t *)base + i + 32 * b, &w, sizeof w);
+        for (int64_t b = 0; b < nc / 2; b++)
+            for (int h = 0; h < NSUB; h++) {
+                const uvec even = bf16_bits_fv(src[2 * b * NSUB + h] * scale) >> 16;
+                const uvec odd = bf16_bits_fv(src[(2 * b + 1) * NSUB + h] * scale) & 0xffff0000u;
+                const uvec w = even | odd;
+                memcpy((uint16_t *)base + i + 32 * b + 2 * NLANES * h, &w, sizeof w);
+            }
+    } else if (bf16) {
+        for (int64_t c = 0; c < nc * NSUB; c++) {
+            const hvec h = __builtin_convertvector(bf16_bits_fv(src[c] * scale) >> 16, hvec);
+            memcpy((uint16_t *)base + i + NLANES * c, &h, sizeof h);
         }
     } else {
-        for (int64_t c = 0; c < nc; c++) store16(base, i + 16 * c, src[c] * scale, bf16);
+        for (int64_t c = 0; c < nc * NSUB; c++)
+            store_fv((float *)base + i + NLANES * c, src[c] * scale);
     }
 }
 
+/* vec.h's fp8_to_f32 on fvecs */
+INLINE fvec fp8_to_fv(uvec b) {
+    const uvec mag = b & 0x7fu;
+    const uvec normal = (mag << 20) + (120u << 23);
+    const fvec subf = __builtin_convertvector((ivec)mag, fvec) * (1.0f / 512);
+    uvec sub;
+    memcpy(&sub, &subf, sizeof sub);
+    const uvec is_normal = (uvec)(mag >= 8u), nan = (uvec)(mag == 0x7fu);
+    const uvec bits = ((normal & is_normal) | (sub & ~is_normal) | (0x7fc00000u & nan))
+                      | (b & 0x80u) << 24;
+    fvec v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
 /* One head row of an FP8 cache (E4M3 codes) as load_row would give it in float32 for queries
  * of the element type bf16: in the even/odd order of bfloat16 rows with an even nc. */
-INLINE void load_fp8_row(const uint8_t *base, int64_t i, f32x16 *dst, int64_t nc, int bf16) {
+INLINE void load_fp8_row(const uint8_t *base, int64_t i, fvec *dst, int64_t nc, int bf16) {
     if (bf16 && nc % 2 == 0) {
-        for (int64_t b = 0; b < nc / 2; b++) {
-            u16x16 w;
-            memcpy(&w, base + i + 32 * b, sizeof w);
-            dst[2 * b] = fp8_to_f32(__builtin_convertvector(w & 0xff, u32x16));
-            dst[2 * b + 1] = fp8_to_f32(__builtin_convertvector(w >> 8, u32x16));
-        }
+        for (int64_t b = 0; b < nc / 2; b++)
+            for (int h = 0; h < NSUB; h++) {
+                hvec w;
+                memcpy(&w, base + i + 32 * b + 2 * NLANES * h, sizeof w);
+                dst[2 * b * NSUB + h] = fp8_to_fv(__builtin_convertvector(w & 0xff, uvec));
+                dst[(2 * b + 1) * NSUB + h] = fp8_to_fv(__builtin_convertvector(w >> 8, uvec));
+            }
     } else {
-        for (int64_t c = 0; c < nc; c++) dst[c] = load_fp8(base + i + 16 * c);
+        typedef uint8_t bvec __attribute__((vector_size(NLANES)));
+        for (int64_t c = 0; c < nc * NSUB; c++) {
+            bvec w;
+            memcpy(&w, base + i + NLANES * c, sizeof w);
+            dst[c] = fp8_to_fv(__builtin_convertvector(w, uvec));
+        }
     }
 }
 /* A K or V row: of the element type, or E4M3 codes (fp8) */
-INLINE void load_kv_row(const void *base, int64_t i, f32x16 *dst, int64_t nc, int bf16,
+INLINE void load_kv_row(const void *base, int64_t i, fvec *dst, int64_t nc, int bf16,
                         int fp8) {
     if (fp8) load_fp8_row((const uint8_t *)base, i, dst, nc, bf16);
     else load_row(base, i, dst, nc, bf16);
@@ -168,22 +277,29 @@ INLINE int64_t chunk_len(int64_t j0, int64_t end, int64_t block_size) {
 
 /* One row's online-softmax step over a chunk: part holds the 16 keys' partial dot products
  * (lanes past the chunk's end must be 0 and are masked to weight 0). Updates the running
- * max m and per-lane sum l, rescales the accumulators acc[0..nc), and returns the keys'
- * weights. */
-INLINE f32x16 softmax_step(
-        f32x16 *part, i32x16 valid, f32x16 *m, f32x16 *l, f32x16 *acc, int64_t nc) {
-    f32x16 s = transpose_sum16(part);
-    s = (f32x16)(((i32x16)s & valid) | ((i32x16)((f32x16){0} - INFINITY) & ~valid));
-    const f32x16 m_new = vmax(*m, max_all(s));
-    const f32x16 corr = vexp(*m - m_new);
-    const f32x16 e = (f32x16)((i32x16)vexp(s - m_new) & valid);
-    *m = m_new;
-    if (corr[0] != 1.f) {
-        *l *= corr;
-        for (int64_t c = 0; c < nc; c++) acc[c] *= corr;
+ * max m and per-lane sum l, rescales the accumulators acc[0..w), and returns the keys'
+ * weights (in w16). */
+INLINE void softmax_step(const fv16 *part, const ivec *valid, fv16 *m, fv16 *l, fvec *acc,
+                         int64_t w, float *w16) {
+    fv16 s = transpose_sum(part);
+    for (int h = 0; h < NSUB; h++)
+        s.v[h] = (fvec)(((ivec)s.v[h] & valid[h])
+                        | ((ivec)((fvec){0} - INFINITY) & ~valid[h]));
+    const fv16 top = max_all(s);
+    fvec corr[NSUB];
+    for (int h = 0; h < NSUB; h++) {
+        const fvec m_new = fvmax(m->v[h], top.v[h]);
+        corr[h] = vexp_fv(m->v[h] - m_new);
+        const fvec e = (fvec)((ivec)vexp_fv(s.v[h] - m_new) & valid[h]);
+        m->v[h] = m_new;
+        s.v[h] = e;
     }
-    *l += e;
-    return e;
+    if (corr[0][0] != 1.f) {
+        for (int h = 0; h < NSUB; h++) l->v[h] *= corr[h];
+        for (int64_t c = 0; c < w; c++) acc[c] *= corr[c % NSUB];
+    }
+    for (int h = 0; h < NSUB; h++) l->v[h] += s.v[h];
+    memcpy(w16, s.v, 16 * sizeof(float));
 }
 
 /* One pass (G query rows of one KV head) over one chunk of n keys: the keys' rows start at
@@ -192,38 +308,44 @@ INLINE f32x16 softmax_step(
  * and per-lane sum) and in registers within one; inlined with constant nc and G. Between
  * its keys it issues `lines` of the prefetches ahead. */
 INLINE void pass_chunk(
-        const f32x16 *q_mem, f32x16 *a_mem, f32x16 *m_mem, f32x16 *l_mem,
+        const fvec *q_mem, fvec *a_mem, fv16 *m_mem, fv16 *l_mem,
         const void *k_cache, const void *v_cache, int64_t base, int64_t key_stride, int64_t n,
-        i32x16 valid, ahead_rows *ahead, int64_t lines, const int64_t nc, const int64_t G,
+        const ivec *valid, ahead_rows *ahead, int64_t lines, const int64_t nc, const int64_t G,
         const int bf16, const int fp8) {
-    f32x16 qr[MAX_PASS * MAX_CHUNKS], a[MAX_PASS * MAX_CHUNKS], m[MAX_PASS], l[MAX_PASS];
-    for (int64_t i = 0; i < G * nc; i++) { qr[i] = q_mem[i]; a[i] = a_mem[i]; }
+    const int64_t W = nc * NSUB;  /* vectors a row */
+    fvec qr[MAX_PASS * MAX_CHUNKS * NSUB], a[MAX_PASS * MAX_CHUNKS * NSUB];
+    fv16 m[MAX_PASS], l[MAX_PASS];
+    for (int64_t i = 0; i < G * W; i++) { qr[i] = q_mem[i]; a[i] = a_mem[i]; }
     for (int64_t g = 0; g < G; g++) { m[g] = m_mem[g]; l[g] = l_mem[g]; }
-    f32x16 part[MAX_PASS][16], p[MAX_PASS];
+    fv16 part[MAX_PASS][16];
+    float p[MAX_PASS][16];
     int64_t spread = 0;
     for (int64_t j = 0; j < 16; j++) {
         if (j < n) {
             for (spread += lines; spread >= n; spread -= n) prefetch_lines(ahead, 1);
-            f32x16 kv[MAX_CHUNKS];
+            fvec kv[MAX_CHUNKS * NSUB];
             load_kv_row(k_cache, base + j * key_stride, kv, nc, bf16, fp8);
             for (int64_t g = 0; g < G; g++) {
-                f32x16 x = qr[g * nc] * kv[0];
-                for (int64_t c = 1; c < nc; c++) x += qr[g * nc + c] * kv[c];
-                part[g][j] = x;
+                fvec x[NSUB];
+                for (int h = 0; h < NSUB; h++) x[h] = qr[g * W + h] * kv[h];
+                for (int64_t c = 1; c < nc; c++)
+                    for (int h = 0; h < NSUB; h++) x[h] += qr[g * W + c * NSUB + h] * kv[c * NSUB + h];
+                memcpy(part[g][j].v, x, sizeof x);
             }
         } else {
-            for (int64_t g = 0; g < G; g++) part[g][j] = (f32x16){0};
+            for (int64_t g = 0; g < G; g++)
+                for (int h = 0; h < NSUB; h++) part[g][j].v[h] = (fvec){0};
         }
     }
     for (int64_t g = 0; g < G; g++)
-        p[g] = softmax_step(part[g], valid, &m[g], &l[g], a + g * nc, nc);
+        softmax_step(part[g], valid, &m[g], &l[g], a + g * W, W, p[g]);
     for (int64_t j = 0; j < n; j++) {
-        f32x16 vv[MAX_CHUNKS];
+        fvec vv[MAX_CHUNKS * NSUB];
         load_kv_row(v_cache, base + j * key_stride, vv, nc, bf16, fp8);
         for (int64_t g = 0; g < G; g++)
-            for (int64_t c = 0; c < nc; c++) a[g * nc + c] += p[g][j] * vv[c];
+            for (int64_t c = 0; c < W; c++) a[g * W + c] += p[g][j] * vv[c];
     }
-    for (int64_t i = 0; i < G * nc; i++) a_mem[i] = a[i];
+    for (int64_t i = 0; i < G * W; i++) a_mem[i] = a[i];
     for (int64_t g = 0; g < G; g++) { m_mem[g] = m[g]; l_mem[g] = l[g]; }
 }
 
@@ -249,12 +371,15 @@ INLINE void walk_heads(
         const decode_args *d, const int32_t *table, int64_t lo, int64_t hi, int64_t t,
         int64_t h0, int64_t nh, const ahead_seg *next, const int64_t nc, const int64_t G,
         const int bf16, const int fp8) {
-    const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    ivec lane;
+    for (int i = 0; i < NLANES; i++) lane[i] = i;
     const int64_t head_dim = nc * 16, group = d->group, per_head = group / G;
     const int64_t key_stride = d->num_kv_heads * head_dim, block_size = d->block_size;
     const int64_t passes = nh * per_head;
     const int64_t *is = d->is;
-    f32x16 qs[passes * G * nc], as[passes * G * nc], ms[passes * G], ls[passes * G];
+    const int64_t W = nc * NSUB;  /* vectors a row */
+    fvec qs[passes * G * W], as[passes * G * W];
+    fv16 ms[passes * G], ls[passes * G];
     for (int64_t p = 0; p < passes; p++) {
         const int64_t h = h0 + p / per_head, r0 = p % per_head * G;
         for (int64_t g = 0; g < G; g++) {
@@ -263,18 +388,21 @@ INLINE void walk_heads(
              * log-sum-exp; one over no keys (-inf) as nothing */
             const float init = d->init_lse ? d->init_lse[t * is[3] + h * is[4] + r * is[5]]
                                            : -INFINITY;
-            load_row(d->q, t * d->q_token_stride + (h * group + r) * head_dim, qs + s * nc,
+            load_row(d->q, t * d->q_token_stride + (h * group + r) * head_dim, qs + s * W,
                      nc, bf16);
-            for (int64_t c = 0; c < nc; c++) qs[s * nc + c] *= d->scale;
+            for (int64_t c = 0; c < W; c++) qs[s * W + c] *= d->scale;
             if (init != -INFINITY) {
                 /* in the units the walk sums V in (see v_scale) */
-                load_row(d->init_out, t * is[0] + h * is[1] + r * is[2], as + s * nc, nc,
+                load_row(d->init_out, t * is[0] + h * is[1] + r * is[2], as + s * W, nc,
                          bf16);
-                for (int64_t c = 0; c < nc; c++) as[s * nc + c] *= 1.f / d->v_scale;
+                for (int64_t c = 0; c < W; c++) as[s * W + c] *= 1.f / d->v_scale;
             } else
-                for (int64_t c = 0; c < nc; c++) as[s * nc + c] = (f32x16){0};
-            ms[s] = (f32x16){0} + init;
-            ls[s] = init != -INFINITY ? (f32x16){1.f} : (f32x16){0};
+                for (int64_t c = 0; c < W; c++) as[s * W + c] = (fvec){0};
+            for (int h = 0; h < NSUB; h++) {
+                ms[s].v[h] = (fvec){0} + init;
+                ls[s].v[h] = (fvec){0};
+            }
+            ls[s].v[0][0] = init != -INFINITY ? 1.f : 0.f;  /* its weight, in lane 0 */
         }
     }
     /* while a chunk is walked, prefetches run AHEAD_BYTES of K and V rows (this walk's heads'
@@ -290,11 +418,12 @@ INLINE void walk_heads(
         const int64_t n = chunk_len(j0, hi, block_size);
         const int64_t base = ((int64_t)table[j0 / block_size] * block_size + j0 % block_size)
                              * key_stride;
-        const i32x16 valid = lane < (int32_t)n;
+        ivec valid[NSUB];
+        for (int h = 0; h < NSUB; h++) valid[h] = lane < (int32_t)(n - NLANES * h);
         /* as many lines prefetched as the chunk reads, spread over its passes */
         const int64_t chunk_lines = n * row_lines;
         for (int64_t p = 0; p < passes; p++)
-            pass_chunk(qs + p * G * nc, as + p * G * nc, ms + p * G, ls + p * G, d->k_cache,
+            pass_chunk(qs + p * G * W, as + p * G * W, ms + p * G, ls + p * G, d->k_cache,
                        d->v_cache, base + (h0 + p / per_head) * head_dim, key_stride, n, valid,
                        &ahead, chunk_lines * (p + 1) / passes - chunk_lines * p / passes, nc,
                        G, bf16, fp8);
@@ -304,20 +433,29 @@ INLINE void walk_heads(
         const int64_t h = h0 + p / per_head, r0 = p % per_head * G;
         for (int64_t g = 0; g < G; g++) {
             const int64_t s = p * G + g, row = (t * d->num_kv_heads + h) * group + r0 + g;
-            const float sum = hsum(ls[s]);
+            float lanes[16], sum = 0.f;  /* in lane order, as vec.h's hsum */
+            memcpy(lanes, ls[s].v, sizeof lanes);
+            for (int i = 0; i < 16; i++) sum += lanes[i];
             const float inv = sum == 0.f ? 0.f : 1.f / sum;  /* 0 only for an empty range */
-            store_row(d->out, row * head_dim, as + s * nc, inv * d->v_scale, nc, bf16);
-            if (d->lse) d->lse[row] = sum == 0.f ? -INFINITY : ms[s][0] + logf(sum);
+            store_row(d->out, row * head_dim, as + s * W, inv * d->v_scale, nc, bf16);
+            if (d->lse) d->lse[row] = sum == 0.f ? -INFINITY : ms[s].v[0][0] + logf(sum);
         }
     }
 }
 
 /* How many query rows a pass takes for nc chunks per row: their queries and accumulators
- * (2 * rows * nc vectors) must about fit in the 32 vector registers, or the spills cost
- * more than reading the chunk once more from L1 (measured: twice as slow). The count
- * divides group, so every pass of a head has the same rows. */
+ * (2 * rows * nc 16-lane vectors) must about fit in the vector registers, or the spills
+ * cost more than reading the chunk once more from L1 (measured with AVX-512's 32: twice as
+ * slow). With 16 AVX2 registers (or NEON's 32 of 4 lanes) a 16-lane vector takes two (four),
+ * and passes of more than one row pay only for head_dim 32. The count divides group, so
+ * every pass of a head has the same rows. */
+#if NLANES == 16
+#define WIDE_PASSES 1
+#else
+#define WIDE_PASSES 0
+#endif
 INLINE int64_t pass_rows(int64_t nc, int64_t group) {
-    int64_t rows = nc <= 2 ? 4 : nc <= 4 ? 3 : nc <= 8 ? 2 : 1;
+    int64_t rows = WIDE_PASSES ? (nc <= 2 ? 4 : nc <= 4 ? 3 : nc <= 8 ? 2 : 1) : nc <= 2 ? 2 : 1;
     while (group % rows) rows--;
     return rows;
 }
@@ -334,14 +472,16 @@ INLINE void walk(const decode_args *d, const int32_t *table, int64_t lo, int64_t
     switch (nc * 16 + G) {
     case 2 * 16 + 1: WALK(2, 1); break;
     case 2 * 16 + 2: WALK(2, 2); break;
+    case 4 * 16 + 1: WALK(4, 1); break;
+    case 8 * 16 + 1: WALK(8, 1); break;
+    case 16 * 16 + 1: WALK(16, 1); break;
+#if WIDE_PASSES  /* pass_rows gives these only there */
     case 2 * 16 + 3: WALK(2, 3); break;
     case 2 * 16 + 4: WALK(2, 4); break;
-    case 4 * 16 + 1: WALK(4, 1); break;
     case 4 * 16 + 2: WALK(4, 2); break;
     case 4 * 16 + 3: WALK(4, 3); break;
-    case 8 * 16 + 1: WALK(8, 1); break;
     case 8 * 16 + 2: WALK(8, 2); break;
-    case 16 * 16 + 1: WALK(16, 1); break;
+#endif
     default: WALK(nc, 1);  /* other head sizes: one row a pass, nc not constant */
     }
 #undef WALK

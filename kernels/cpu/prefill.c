@@ -29,7 +29,9 @@
  * products on it instead (prefill_item_dot, on dot_attn.h's micro-kernel; from about a
  * thousand keys on 1.5-1.7x faster at head_dim 64 and 128, 1.2-1.3x at 32). On an Intel
  * Xeon with AMX the dot product was no faster than float32 FMAs (it issues at half their
- * rate), and AMX tiles for the two products gained about 1% end to end.
+ * rate), and AMX tiles for the two products gained about 1% end to end. A build without
+ * the instructions runs prefill_item_dot on FMAs (dot_attn.h) when asked (bf16_dot), with
+ * the same results; the caller does not ask, as it has no faster products there.
  *
  * init_out/init_lse (optional): a partial result of the same query rows over other keys
  * (a cascade's shared prefix), merged in by starting each row's softmax from it.
@@ -95,23 +97,23 @@ static float *thread_scratch(size_t floats) {
  * instructions of vexp's clamped Cephes form. x is held at -87 and above, so exp(-inf) is
  * about 1.6e-38, not 0 (callers zero masked weights themselves, and a rescale that small
  * vanishes in float32 sums); a NaN stays NaN. */
-INLINE f32x16 exp_weight(f32x16 x) {
+INLINE fvec exp_weight(fvec x) {
 #if defined(__AVX512F__)
     /* results stay normal floats: a denormal one takes a microcode assist (~100 cycles) */
-    x = vmax((f32x16){0} - 87.f, x);  /* vmax keeps its second argument when it is NaN */
+    x = fvmax((fvec){0} - 87.f, x);  /* fvmax keeps its second argument when it is NaN */
     const __m512 t = (__m512)(x * 1.44269504088896341f);
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const f32x16 f = (f32x16)_mm512_sub_ps(t, n);
-    f32x16 p = (f32x16){0} + 1.5403530393381609e-4f;   /* ln2^6 / 6! */
+    const fvec f = (fvec)_mm512_sub_ps(t, n);
+    fvec p = (fvec){0} + 1.5403530393381609e-4f;   /* ln2^6 / 6! */
     p = p * f + 1.3333558146428443e-3f;                /* ln2^5 / 5! */
     p = p * f + 9.6181291076284772e-3f;                /* ln2^4 / 4! */
     p = p * f + 5.5504108664821580e-2f;                /* ln2^3 / 3! */
     p = p * f + 2.4022650695910071e-1f;                /* ln2^2 / 2! */
     p = p * f + 6.9314718055994531e-1f;                /* ln2 */
     p = p * f + 1.0f;
-    return (f32x16)_mm512_scalef_ps((__m512)p, n);
+    return (fvec)_mm512_scalef_ps((__m512)p, n);
 #else
-    return vexp(x);
+    return vexp_fv(x);
 #endif
 }
 
@@ -160,79 +162,105 @@ INLINE void widen_block(const void *k_cache, const void *v_cache, const int32_t 
     }
 }
 
-#define KEYS_PER_STEP 8  /* keys whose scores are summed together: independent FMA chains */
+/* keys whose scores are summed together: independent FMA chains, KEYS_PER_STEP x NSUB
+ * accumulators and the query's NSUB vectors in registers (16 AVX2 registers: 4 keys) */
+#define KEYS_PER_STEP (NLANES == 16 ? 8 : 4)
 
 /* One group of 16 query rows over a widened block of keys. qt: the rows' scaled queries
  * transposed ([head_dim][16]); m, l: their running max and sum; a: their accumulators
  * ([16][head_dim]); lim: how many of the block's keys each row sees (non-decreasing: rows
- * are token-major); s: [KEY_BLOCK][16] scratch. Compiled for constant NC = head_dim / 16
- * and R rows per weighted-sum pass (R * NC accumulators in registers). */
-INLINE void row_group(const float *qt, float *m, float *l, float *a, i32x16 lim, int64_t cols,
-                      const float *kb, const float *vb, float *s, const int64_t NC,
-                      const int64_t R) {
+ * are token-major); s: [KEY_BLOCK][16] scratch. Compiled for constant NC = head_dim / 16,
+ * R rows per weighted-sum pass and CB of a row's NC 16-element chunks at a time (R x CB x
+ * NSUB accumulators in registers). Works in fvecs (vec.h), NSUB to 16 lanes; every sum and
+ * maximum is taken in the same order whatever NSUB. */
+INLINE void row_group(const float *qt, float *m, float *l, float *a, const int32_t *lim,
+                      int64_t cols, const float *kb, const float *vb, float *s,
+                      const int64_t NC, const int64_t R, const int64_t CB) {
     const int64_t D = NC * 16;
     /* scores, one vector of the 16 rows per key: row-vector x key, summed along head_dim */
     for (int64_t j = 0; j < cols; j += KEYS_PER_STEP) {
-        f32x16 acc[KEYS_PER_STEP];
-        for (int64_t k = 0; k < KEYS_PER_STEP; k++) acc[k] = (f32x16){0};
-        for (int64_t d = 0; d < D; d++) {
-            const f32x16 q = load_f32(qt + d * 16);
-            for (int64_t k = 0; k < KEYS_PER_STEP; k++) acc[k] += kb[(j + k) * D + d] * q;
-        }
-        for (int64_t k = 0; k < KEYS_PER_STEP; k++) store_f32(s + (j + k) * 16, acc[k]);
+        fvec acc[KEYS_PER_STEP][NSUB];
+        for (int64_t k = 0; k < KEYS_PER_STEP; k++)
+            for (int h = 0; h < NSUB; h++) acc[k][h] = (fvec){0};
+        for (int64_t d = 0; d < D; d++)
+            for (int h = 0; h < NSUB; h++) {
+                const fvec q = load_fv(qt + d * 16 + NLANES * h);
+                for (int64_t k = 0; k < KEYS_PER_STEP; k++) acc[k][h] += kb[(j + k) * D + d] * q;
+            }
+        for (int64_t k = 0; k < KEYS_PER_STEP; k++)
+            for (int h = 0; h < NSUB; h++) store_fv(s + (j + k) * 16 + NLANES * h, acc[k][h]);
     }
     /* online softmax, every row at once: weights replace the scores, 0 past a row's limit */
-    const f32x16 neg_inf = (f32x16){0} - INFINITY;
-    f32x16 mx = neg_inf;  /* a NaN score is passed over here (vmax keeps its second
-                           * argument) and shows as NaN through its weight instead */
-    for (int64_t j = 0; j < cols; j++) {
-        const i32x16 valid = (i32x16){0} + (int32_t)j < lim;
-        mx = vmax((f32x16)(((i32x16)load_f32(s + j * 16) & valid) | ((i32x16)neg_inf & ~valid)),
-                  mx);
+    const fvec neg_inf = (fvec){0} - INFINITY;
+    float corr[16];  /* each row's rescale of its accumulators */
+    for (int h = 0; h < NSUB; h++) {
+        ivec lim_h;
+        memcpy(&lim_h, lim + NLANES * h, sizeof lim_h);
+        fvec mx = neg_inf;  /* a NaN score is passed over here (fvmax keeps its second
+                             * argument) and shows as NaN through its weight instead */
+        for (int64_t j = 0; j < cols; j++) {
+            const ivec valid = (ivec){0} + (int32_t)j < lim_h;
+            mx = fvmax((fvec)(((ivec)load_fv(s + j * 16 + NLANES * h) & valid)
+                              | ((ivec)neg_inf & ~valid)), mx);
+        }
+        const fvec m_old = load_fv(m + NLANES * h), m_new = fvmax(m_old, mx);
+        /* a row with nothing yet and nothing here keeps corr 1 and weights 0 */
+        const ivec none = (ivec)(m_new == neg_inf);
+        const fvec corr_h = exp_weight((fvec)((ivec)(m_old - m_new) & ~none));
+        fvec sum = (fvec){0};
+        for (int64_t j = 0; j < cols; j++) {
+            const ivec valid = ((ivec){0} + (int32_t)j < lim_h) & ~none;
+            float *sj = s + j * 16 + NLANES * h;
+            const fvec e = (fvec)((ivec)exp_weight(load_fv(sj) - m_new) & valid);
+            store_fv(sj, e);
+            sum += e;
+        }
+        store_fv(m + NLANES * h, m_new);
+        store_fv(l + NLANES * h, load_fv(l + NLANES * h) * corr_h + sum);
+        store_fv(corr + NLANES * h, corr_h);
     }
-    const f32x16 m_old = load_f32(m), m_new = vmax(m_old, mx);
-    /* a row with nothing yet and nothing here keeps corr 1 and weights 0 */
-    const i32x16 none = (i32x16)(m_new == neg_inf);
-    const f32x16 corr = exp_weight((f32x16)((i32x16)(m_old - m_new) & ~none));
-    f32x16 sum = (f32x16){0};
-    for (int64_t j = 0; j < cols; j++) {
-        const i32x16 valid = ((i32x16){0} + (int32_t)j < lim) & ~none;
-        const f32x16 e = (f32x16)((i32x16)exp_weight(load_f32(s + j * 16) - m_new) & valid);
-        store_f32(s + j * 16, e);
-        sum += e;
-    }
-    store_f32(m, m_new);
-    store_f32(l, load_f32(l) * corr + sum);
-    /* weighted values, R rows at a time with their accumulators in registers */
+    /* weighted values, R rows x CB chunks at a time with their accumulators in registers */
     for (int64_t r0 = 0; r0 < 16; r0 += R) {
         int64_t end = 0;  /* keys any of these rows sees */
         for (int64_t r = r0; r < r0 + R; r++) end = lim[r] > end ? lim[r] : end;
-        f32x16 acc[R * NC];
-        for (int64_t r = 0; r < R; r++)
-            for (int64_t c = 0; c < NC; c++)
-                acc[r * NC + c] = load_f32(a + (r0 + r) * D + c * 16) * corr[r0 + r];
-        for (int64_t j = 0; j < end; j++)
-            for (int64_t c = 0; c < NC; c++) {
-                const f32x16 v = load_f32(vb + j * D + c * 16);
-                for (int64_t r = 0; r < R; r++) acc[r * NC + c] += s[j * 16 + r0 + r] * v;
-            }
-        for (int64_t r = 0; r < R; r++)
-            for (int64_t c = 0; c < NC; c++)
-                store_f32(a + (r0 + r) * D + c * 16, acc[r * NC + c]);
+        for (int64_t c0 = 0; c0 < NC; c0 += CB) {
+            fvec acc[R * CB * NSUB];
+            for (int64_t r = 0; r < R; r++)
+                for (int64_t c = 0; c < CB * NSUB; c++)
+                    acc[r * CB * NSUB + c] = load_fv(a + (r0 + r) * D + c0 * 16 + c * NLANES)
+                                             * corr[r0 + r];
+            for (int64_t j = 0; j < end; j++)
+                for (int64_t c = 0; c < CB * NSUB; c++) {
+                    const fvec v = load_fv(vb + j * D + c0 * 16 + c * NLANES);
+                    for (int64_t r = 0; r < R; r++) acc[r * CB * NSUB + c] += s[j * 16 + r0 + r] * v;
+                }
+            for (int64_t r = 0; r < R; r++)
+                for (int64_t c = 0; c < CB * NSUB; c++)
+                    store_fv(a + (r0 + r) * D + c0 * 16 + c * NLANES, acc[r * CB * NSUB + c]);
+        }
     }
 }
 
-INLINE void row_group_any(const float *qt, float *m, float *l, float *a, i32x16 lim,
+/* row_group compiled for the common head sizes: with AVX-512's 32 registers, R x NC = 16
+ * vectors of accumulators; with 16 AVX2 registers (NEON's 32 of 4 lanes), 2 rows x 2 chunks
+ * (8 of 8 lanes) */
+INLINE void row_group_any(const float *qt, float *m, float *l, float *a, const int32_t *lim,
                           int64_t cols, const float *kb, const float *vb, float *s,
                           int64_t nc) {
+#if NLANES == 16
+#define ROW_GROUP(NC) row_group(qt, m, l, a, lim, cols, kb, vb, s, NC, 16 / (NC), NC)
+#else
+#define ROW_GROUP(NC) row_group(qt, m, l, a, lim, cols, kb, vb, s, NC, 2, 2)
+#endif
     switch (nc) {
-    case 2: row_group(qt, m, l, a, lim, cols, kb, vb, s, 2, 8); break;
-    case 4: row_group(qt, m, l, a, lim, cols, kb, vb, s, 4, 4); break;
-    case 8: row_group(qt, m, l, a, lim, cols, kb, vb, s, 8, 2); break;
-    case 16: row_group(qt, m, l, a, lim, cols, kb, vb, s, 16, 1); break;
+    case 2: ROW_GROUP(2); break;
+    case 4: ROW_GROUP(4); break;
+    case 8: ROW_GROUP(8); break;
+    case 16: ROW_GROUP(16); break;
     default:  /* other head sizes: nc not constant */
-        row_group(qt, m, l, a, lim, cols, kb, vb, s, nc, 1);
+        row_group(qt, m, l, a, lim, cols, kb, vb, s, nc, 1, 1);
     }
+#undef ROW_GROUP
 }
 
 /* One work item: chunk tokens [t0, t1) (0-based in the chunk of n tokens starting at batch
@@ -290,7 +318,7 @@ INLINE int prefill_item(
         widen_block(k_cache, v_cache, table, block_size, key_stride, h * D, k0, kn, D, kb, vb,
                     bf16, fp8);
         for (int64_t g0 = 0; g0 < padded; g0 += 16) {
-            i32x16 lim;
+            int32_t lim[16];
             for (int64_t r = 0; r < 16; r++) {
                 const int64_t see = last[g0 + r] - k0;
                 lim[r] = (int32_t)(see < 0 ? 0 : see > kn ? kn : see);
@@ -403,7 +431,7 @@ INLINE void row_out(const dot_rows *st, int r, float *o, float *m, float *l, int
  * 0.84x at 256, 0.65x at 1024; head_dim 128, one 1024-token chunk, 0.59x. */
 #define DOT_MIN_KEY_ELEMENTS 16384
 
-/* prefill_item for bfloat16 on CPUs with AVX512-BF16 (and head_dim a multiple of 32): the
+/* prefill_item for bfloat16 (head_dim a multiple of 32), made for AVX512-BF16: the
  * same work item as two small products per block of keys on dot_attn.h's micro-kernel,
  * whose paired dot products run twice the multiply-adds of float32 FMAs. Each block of up
  * to DOT_KEY_BLOCK keys is laid out once for the item; the item's rows then take it
@@ -474,6 +502,7 @@ INLINE int prefill_item_dot(
     return 0;
 }
 
+/* whether prefill_item_dot runs on the AVX512-BF16 instructions (else on FMAs) */
 int prefill_bf16_dot_available(void) { return HAVE_BF16_DOT; }
 
 /* Entry points, one per element type and cache type (that type, or E4M3 codes: FP8, with
@@ -483,7 +512,7 @@ int prefill_bf16_dot_available(void) { return HAVE_BF16_DOT; }
  * same shape; lse (optional) [tokens, heads] float32. init_out [tokens, num_kv_heads, group,
  * head_dim] and init_lse [tokens, num_kv_heads, group], both or neither, with strides
  * (token, KV head, group row) os0..os2 and ls0..ls2 (head_dim contiguous). bf16_dot: long
- * bfloat16 chunks may take prefill_item_dot (where this build has the instructions).
+ * bfloat16 chunks take prefill_item_dot.
  * Returns nonzero, touching nothing, for a shape it does not handle; 2 when out of memory
  * (out then holds the rows of the items that ran). */
 #define ENTRY(NAME, T, CT, BF16, FP8)                                                         \
@@ -519,7 +548,7 @@ int NAME(const T *q, int64_t q_token_stride, const CT *k_cache, const CT *v_cach
         const int64_t n = ch[2] - ch[1], t0 = item_t0[i];                                      \
         const int64_t t1 = t0 + per_item < n ? t0 + per_item : n;                              \
         const int32_t *table = block_tables + ch[0] * bt_stride;                              \
-        if (BF16 && HAVE_BF16_DOT && bf16_dot && head_dim % 32 == 0                            \
+        if (BF16 && bf16_dot && head_dim % 32 == 0                                             \
                 && (ch[4] - ch[3]) * head_dim >= DOT_MIN_KEY_ELEMENTS                          \
             ? prefill_item_dot((const uint16_t *)q, q_token_stride, k_cache, v_cache, table,   \
                                block_size, ch[1], n, ch[3], ch[4], t0, t1, h, num_kv_heads,    \

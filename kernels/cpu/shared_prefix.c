@@ -9,9 +9,8 @@
  * prepare); blocks of DOT_ROWS query rows then take them DOT_KEY_BLOCK keys at a time,
  * the softmax online across blocks.
  *
- * float32 needs nothing beyond the vector extensions of vec.h. bfloat16 needs the
- * AVX512-BF16 instructions: without them its entry point returns 1 and the caller keeps
- * to torch's flash kernel.
+ * float32 needs nothing beyond the vector extensions of vec.h. bfloat16 runs on the
+ * AVX512-BF16 dot products where the build has them, elsewhere on FMAs (dot_attn.h).
  *
  * K and V gathered from an FP8 cache come as E4M3 codes, which prepare widens exactly to
  * the query's type (every E4M3 value is a bfloat16 value); the K scale is the caller's to
@@ -32,6 +31,7 @@ int64_t shared_prefix_scratch_words(int64_t num_keys, int64_t num_kv_heads, int6
     return (bf16 ? 1 : 2) * num_kv_heads * head_dim * ((num_keys + 63) / 64 * 64);
 }
 
+/* whether bfloat16 runs on the AVX512-BF16 instructions (else on FMAs) */
 int shared_prefix_bf16_available(void) { return HAVE_BF16_DOT; }
 
 typedef struct {
@@ -123,17 +123,22 @@ INLINE void prepare(const void *k, const void *v, uint32_t *scratch, int64_t num
     }
 }
 
-INLINE void run(const shared_args *d, const int bf16) {
-    const int64_t rows = d->num_tokens * d->group;
-    const int64_t per_head = (rows + ITEM_ROWS - 1) / ITEM_ROWS;
-    _Pragma("omp parallel for schedule(static)")
-    for (int64_t item = 0; item < d->num_kv_heads * per_head; item++) {
-        const int64_t h = item / per_head, first = item % per_head * ITEM_ROWS;
-        const int64_t last = rows - first < ITEM_ROWS ? rows : first + ITEM_ROWS;
-        for (int64_t r0 = first; r0 < last; r0 += DOT_ROWS)
-            row_block(d, h, r0, last - r0 < DOT_ROWS ? last - r0 : DOT_ROWS, bf16);
-    }
-}
+/* The parallel loop over work items; a macro, so that each element type gets its own: GCC
+ * outlines an OpenMP region before inlining, and a region in an inlined function would
+ * take bf16 as a variable, leaving the micro-kernel's register blocks (which depend on it)
+ * unknown at compile time. */
+#define RUN(d, BF16)                                                                          \
+    do {                                                                                      \
+        const int64_t rows = (d)->num_tokens * (d)->group;                                    \
+        const int64_t per_head = (rows + ITEM_ROWS - 1) / ITEM_ROWS;                          \
+        _Pragma("omp parallel for schedule(static)")                                          \
+        for (int64_t item = 0; item < (d)->num_kv_heads * per_head; item++) {                 \
+            const int64_t h = item / per_head, first = item % per_head * ITEM_ROWS;           \
+            const int64_t last = rows - first < ITEM_ROWS ? rows : first + ITEM_ROWS;         \
+            for (int64_t r0 = first; r0 < last; r0 += DOT_ROWS)                               \
+                row_block((d), h, r0, last - r0 < DOT_ROWS ? last - r0 : DOT_ROWS, BF16);     \
+        }                                                                                     \
+    } while (0)
 
 /* Entry points, one per element type and K/V type (that type, or E4M3 codes with v_scale).
  * q [num_tokens, num_kv_heads * group, head_dim] (tokens q_token_stride elements apart);
@@ -141,19 +146,19 @@ INLINE void run(const shared_args *d, const int bf16) {
  * group, head_dim] in q's type and lse
  * (float32) [num_tokens, num_kv_heads, group], contiguous; scratch:
  * shared_prefix_scratch_words() 32-bit words. Returns nonzero, touching nothing, for a
- * shape it does not handle (and, for bfloat16, without the dot-product instructions). */
+ * shape it does not handle. */
 #define ENTRY(NAME, T, CT, BF16, FP8)                                                         \
 int NAME(const T *q, int64_t q_token_stride, const CT *k, const CT *v, int64_t num_tokens,     \
          int64_t num_keys, int64_t num_kv_heads, int64_t group, int64_t head_dim, float scale, \
          T *out, float *lse, uint32_t *scratch, float v_scale) {                               \
-    if ((BF16 && !HAVE_BF16_DOT) || head_dim % 16 || head_dim > DOT_MAX_HEAD_DIM                  \
+    if (head_dim % 16 || head_dim > DOT_MAX_HEAD_DIM                                          \
             || head_dim < 16 || group < 1 || num_keys < 1)                                     \
         return 1;                                                                              \
     const int64_t keys_pad = (num_keys + 63) / 64 * 64;                                       \
     prepare(k, v, scratch, num_keys, keys_pad, num_kv_heads, head_dim, BF16, FP8);            \
     const shared_args d = {q, q_token_stride, scratch, num_tokens, num_kv_heads, group,        \
                            head_dim, num_keys, keys_pad, scale, FP8 ? v_scale : 1.f, out, lse}; \
-    run(&d, BF16);                                                                             \
+    RUN(&d, BF16);                                                                             \
     return 0;                                                                                  \
 }
 ENTRY(shared_prefix_f32, float, float, 0, 0)

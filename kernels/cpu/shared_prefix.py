@@ -7,8 +7,9 @@ the speed of the model's products; this kernel runs it as two register-blocked p
 with the softmax between them, reading the queries in place: for bfloat16 on the CPU's
 bfloat16 dot-product instructions (SmolLM2's heads on a 2-core Zen 4, 256 shared keys:
 8.8 ms against flash's 18-20 ms for a 4096-token prefill step, 0.27 against 0.67 ms for
-128 decodes). float32 runs anywhere; bfloat16 on CPUs with those instructions
-(AVX512-BF16) and without AMX. With AMX, torch's flash kernel runs its products on the
+128 decodes). float32 runs anywhere; bfloat16 is used on CPUs with those instructions
+(AVX512-BF16) and without AMX (elsewhere the kernel runs it on FMAs, when asked:
+use_bf16). With AMX, torch's flash kernel runs its products on the
 matrix units and wins: on a 2-core AMX Xeon the bench's SmolLM2 workload spent 0.64 s in
 flash against 2.07 s in this kernel. Elsewhere, or where it cannot be built (see
 build.py), supports() is false and the torch path runs. K and V gathered from an FP8 cache
@@ -38,6 +39,7 @@ class SharedPrefixKernel:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         argtypes = [p, i64, p, p, i64, i64, i64, i64, i64, ctypes.c_float, p, p, p,
                     ctypes.c_float]
+        # whether bfloat16 runs on the AVX512-BF16 dot products (else on FMAs)
         self.bf16_instructions = bool(lib.shared_prefix_bf16_available())
         self._fns = {}  # by (query dtype, K/V dtype: None for the query's)
         for kv, names in (
@@ -45,8 +47,7 @@ class SharedPrefixKernel:
                 (fp8.FP8_DTYPE, {torch.float32: "shared_prefix_f32_fp8",
                                  torch.bfloat16: "shared_prefix_bf16_fp8"})):
             for dtype, fn in build.entry_points(lib, names, argtypes, ctypes.c_int).items():
-                if dtype != torch.bfloat16 or self.bf16_instructions:
-                    self._fns[dtype, kv] = fn
+                self._fns[dtype, kv] = fn
         # where the CPU has AMX, torch's flash kernel runs its bfloat16 products on the
         # matrix units and is left the work
         self.use_bf16 = self.bf16_instructions and not build.has_amx()

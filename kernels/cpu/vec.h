@@ -13,6 +13,29 @@ typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
+/* Vectors of the build's register width: 16 lanes with AVX-512, 8 with AVX2, 4 otherwise
+ * (NEON, SSE). A 16-lane vector spans two AVX2 registers, and GCC keeps such values in memory
+ * between operations, so hot loops hold fvecs, NSUB of them per 16 elements. */
+#if defined(__AVX512F__)
+#define NLANES 16
+#elif defined(__AVX__)
+#define NLANES 8
+#else
+#define NLANES 4
+#endif
+#define NSUB (16 / NLANES)
+typedef float fvec __attribute__((vector_size(4 * NLANES)));
+typedef int32_t ivec __attribute__((vector_size(4 * NLANES)));
+typedef uint32_t uvec __attribute__((vector_size(4 * NLANES)));
+typedef uint16_t hvec __attribute__((vector_size(2 * NLANES)));
+
+static inline fvec load_fv(const void *p) { fvec v; memcpy(&v, p, sizeof v); return v; }
+static inline void store_fv(void *p, fvec v) { memcpy(p, &v, sizeof v); }
+static inline fvec fvmax(fvec a, fvec b) {
+    const ivec gt = (ivec)(a > b);
+    return (fvec)(((ivec)a & gt) | ((ivec)b & ~gt));
+}
+
 #if defined(__clang__)
 #define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
@@ -200,27 +223,32 @@ static inline __attribute__((always_inline)) float finite_row_max(const void *z,
 }
 
 /* exp(x) (Cephes' polynomial). Below -87 it gives ~1e-38, not 0 (callers zero masked lanes
- * themselves); past float's range, +inf, as expf does. A NaN stays NaN. */
-static inline f32x16 vexp(f32x16 x) {
-    const f32x16 lo = (f32x16){0} - 87.0f, hi = (f32x16){0} + 88.0f;
-    const i32x16 below = (i32x16)(x < lo), above = (i32x16)(x > hi);
-    const i32x16 overflow = (i32x16)(x > 88.72283935546875f);  /* log(FLT_MAX) */
-    x = (f32x16)(((i32x16)x & ~below) | ((i32x16)lo & below));
-    x = (f32x16)(((i32x16)x & ~above) | ((i32x16)hi & above));
-    const float magic = 12582912.0f;  /* 1.5 * 2^23: adding it rounds to an integer */
-    f32x16 t = x * 1.44269504088896341f + magic;
-    f32x16 n = t - magic;
-    i32x16 ni = (i32x16)t - (i32x16)((f32x16){0} + magic);
-    f32x16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    f32x16 p = (f32x16){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const f32x16 e = p * (f32x16)((ni + 127) << 23);
-    return (f32x16)(((i32x16)e & ~overflow) | ((i32x16)((f32x16){0} + INFINITY) & overflow));
+ * themselves); past float's range, +inf, as expf does. A NaN stays NaN. vexp on 16-lane
+ * vectors, vexp_fv on fvecs. */
+#define DEFINE_VEXP(NAME, F, I)                                                               \
+static inline F NAME(F x) {                                                                   \
+    const F lo = (F){0} - 87.0f, hi = (F){0} + 88.0f;                                         \
+    const I below = (I)(x < lo), above = (I)(x > hi);                                         \
+    const I overflow = (I)(x > 88.72283935546875f);  /* log(FLT_MAX) */                      \
+    x = (F)(((I)x & ~below) | ((I)lo & below));                                               \
+    x = (F)(((I)x & ~above) | ((I)hi & above));                                               \
+    const float magic = 12582912.0f;  /* 1.5 * 2^23: adding it rounds to an integer */       \
+    F t = x * 1.44269504088896341f + magic;                                                   \
+    F n = t - magic;                                                                          \
+    I ni = (I)t - (I)((F){0} + magic);                                                        \
+    F r = x - n * 0.693359375f + n * 2.12194440e-4f;                                          \
+    F p = (F){0} + 1.9875691500e-4f;                                                          \
+    p = p * r + 1.3981999507e-3f;                                                             \
+    p = p * r + 8.3334519073e-3f;                                                             \
+    p = p * r + 4.1665795894e-2f;                                                             \
+    p = p * r + 1.6666665459e-1f;                                                             \
+    p = p * r + 5.0000001201e-1f;                                                             \
+    p = p * r * r + r + 1.0f;                                                                 \
+    const F e = p * (F)((ni + 127) << 23);                                                    \
+    return (F)(((I)e & ~overflow) | ((I)((F){0} + INFINITY) & overflow));                     \
 }
+DEFINE_VEXP(vexp, f32x16, i32x16)
+DEFINE_VEXP(vexp_fv, fvec, ivec)
+#undef DEFINE_VEXP
 
 #endif

@@ -20,11 +20,10 @@ def library(built_or_skip):
 @pytest.fixture(scope="module", params=["float32 form", "bfloat16 dot form"])
 def kernel(library, request):
     """The kernel with long bfloat16 chunks on each form in turn, whichever one this CPU's
-    vendor gets by default: the dot form wherever the CPU has AVX512-BF16."""
+    vendor gets by default: the dot form on AVX512-BF16's dot products, or on FMAs where the
+    build has none."""
     kernel = cpu.prefill.PrefillKernel(library)
     kernel.bf16_dot = request.param == "bfloat16 dot form"
-    if kernel.bf16_dot and not kernel.dot_instructions:
-        pytest.skip("this CPU has no AVX512-BF16")
     return kernel
 
 
@@ -102,7 +101,7 @@ def test_matches_reference(kernel, paged_batch, dtype, tol, num_kv_heads, group,
 
 
 def takes_dot_path(kernel, dtype, chunks, head_dim):
-    """Which chunks run on the AVX512-BF16 micro-kernel (none where the CPU lacks it)."""
+    """Which chunks run on the bfloat16 micro-kernel (none with the dot form off)."""
     keys = (chunks[:, 4] - chunks[:, 3]) * head_dim
     return (keys >= cpu.prefill.DOT_MIN_KEY_ELEMENTS) & (
         dtype == torch.bfloat16 and kernel.bf16_dot and head_dim % 32 == 0)
@@ -206,9 +205,9 @@ def test_a_nan_value_reaches_only_the_rows_computed_with_it(kernel, paged_batch,
 
 
 def test_long_bfloat16_chunks_take_the_dot_product_kernel(kernel, paged_batch):
-    """With the dot form on, bfloat16 chunks with enough keys run on AVX512-BF16's paired
-    dot products (the cases above cover both forms); a chunk's result is the same whichever
-    form its neighbours take, and both match the reference."""
+    """With the dot form on, bfloat16 chunks with enough keys run on paired dot products
+    (AVX512-BF16's, or FMAs in their order; the cases above cover both forms); a chunk's
+    result is the same whichever form its neighbours take, and both match the reference."""
     if not kernel.bf16_dot:
         pytest.skip("the float32 form: covered by the cases above")
     batch = paged_batch([900, 60, 520], [900, 60, 200], block_size=16, num_kv_heads=2,

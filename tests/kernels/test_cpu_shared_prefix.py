@@ -3,6 +3,8 @@ float32: float32 inputs within float32 rounding, bfloat16 inputs as closely as t
 kernel gets on the same inputs."""
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 
@@ -11,11 +13,12 @@ from batchinfer.kernels import cpu
 
 @pytest.fixture(scope="module")
 def kernel(built_or_skip):
-    """The kernel with bfloat16 on wherever the CPU has the instructions, AMX hosts (which
-    leave the work to torch's flash kernel) included."""
+    """The kernel with bfloat16 on, on the AVX512-BF16 dot products or on FMAs, whichever
+    the build has, also where the engine leaves bfloat16 to torch's flash kernel (AMX
+    hosts, CPUs without the instructions)."""
     kernel = cpu.shared_prefix.SharedPrefixKernel(
         built_or_skip(cpu.shared_prefix, "the shared-prefix kernel"))
-    kernel.use_bf16 = kernel.bf16_instructions
+    kernel.use_bf16 = True
     return kernel
 
 
@@ -45,8 +48,6 @@ def flash(q, k, v, scale):
     (9, 513, 2, 4, 128), (5, 1100, 1, 2, 256), (130, 129, 8, 1, 80),
 ])
 def test_matches_exact_attention(kernel, dtype, tokens, keys, kv_heads, group, head_dim):
-    if not kernel.supports(dtype, kv_heads * group, kv_heads, head_dim):
-        pytest.skip(f"this CPU has no {dtype} dot-product instructions")
     gen = torch.Generator().manual_seed(tokens * keys)
     # a strided query (rows of a wider tensor), scores spread over a wide range
     wide = torch.randn(tokens, kv_heads * group + 3, head_dim, generator=gen) * 3
@@ -111,8 +112,6 @@ def test_threads_calling_at_once_keep_their_own_scratch(kernel):
 def test_a_nan_key_reaches_every_row(kernel, dtype):
     """Every query row sees every shared key, so a NaN in one key's K shows in every row's
     output and log-sum-exp, as it does in torch's kernels."""
-    if not kernel.supports(dtype, 4, 2, 32):
-        pytest.skip(f"this CPU has no {dtype} dot-product instructions")
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(20, 4, 32, generator=gen).to(dtype)
     k = torch.randn(600, 2, 32, generator=gen).to(dtype)
@@ -121,3 +120,23 @@ def test_a_nan_key_reaches_every_row(kernel, dtype):
     out, lse = kernel(q, k, v, 0.2)
     assert out[:, 1].isnan().all() and lse[:, 1].isnan().all()
     assert not out[:, 0].isnan().any() and not lse[:, 0].isnan().any()
+
+
+def test_the_fma_form_gives_the_bfloat16_instructions_bits(kernel, monkeypatch):
+    """Built without AVX512-BF16 (x86-64-v3: AVX2), bfloat16 runs its dot products as two
+    FMAs in vdpbf16ps's order; on a CPU with the instructions both builds give the same
+    bits, the AVX2 one in 8-lane vectors and register blocks of its own."""
+    if not kernel.bf16_instructions or platform.machine() != "x86_64":
+        pytest.skip("this build has no AVX512-BF16 instructions to compare with")
+    monkeypatch.setattr(cpu.build, "_built", {})
+    monkeypatch.setenv(cpu.build.ARCH_ENV, "x86-64-v3")
+    avx2 = cpu.shared_prefix.SharedPrefixKernel(cpu.build.build(cpu.shared_prefix.SOURCE))
+    assert not avx2.bf16_instructions
+    avx2.use_bf16 = True
+    gen = torch.Generator().manual_seed(5)
+    for tokens, keys, kv_heads, group, head_dim in [(37, 600, 3, 3, 64), (9, 130, 2, 4, 128)]:
+        q = (torch.randn(tokens, kv_heads * group, head_dim, generator=gen) * 3).bfloat16()
+        k, v = (torch.randn(keys, kv_heads, head_dim, generator=gen).bfloat16() for _ in range(2))
+        out, lse = kernel(q, k, v, head_dim ** -0.5)
+        out2, lse2 = avx2(q, k, v, head_dim ** -0.5)
+        assert torch.equal(out, out2) and torch.equal(lse, lse2)
