@@ -105,7 +105,7 @@ class ModelConfig:
         quantization is "fp8". ValueError for an architecture or a setting not implemented
         here."""
         config, architecture = text_config(hf_config)
-        architecture = architecture or _architecture(config)
+        architecture = architecture or supported_architecture(config)
         arch = ARCHITECTURES[architecture]
         scheme = quantization_scheme(hf_config, config, quantization)
         _check(config)
@@ -166,7 +166,7 @@ def text_config(hf_config) -> tuple[Any, str | None]:
     return hf_config, None
 
 
-def _architecture(config) -> str:
+def supported_architecture(config) -> str:
     archs = getattr(config, "architectures", None) or []
     for arch in archs or [_BY_MODEL_TYPE.get(getattr(config, "model_type", ""), "")]:
         if arch in ARCHITECTURES:

@@ -13,7 +13,7 @@ import torch
 
 from batchinfer.model import cpu_linear, fp8, gguf
 from batchinfer.model.checks import check_config, checked_scales
-from batchinfer.model.config import ModelConfig, text_config
+from batchinfer.model.config import ModelConfig, supported_architecture, text_config
 from batchinfer.model.kv_scales import take_kv_scales
 from batchinfer.model.llama import CausalLM, GemmaRMSNorm
 from batchinfer.model.weights import CheckpointTensor, file_tensors
@@ -50,7 +50,9 @@ def hf_config(path: Path, trust_remote_code: bool = False):
         except Exception as e:  # noqa: BLE001 (what transformers raises on a file's values varies)
             raise ValueError(f"{where}: transformers cannot read it "
                              f"({type(e).__name__}: {_first_line(e)})") from None
-    check_config(text_config(config)[0], where)
+    text, architecture = text_config(config)
+    architecture or supported_architecture(text)  # an unsupported one is named first
+    check_config(text, where)
     return config
 
 
