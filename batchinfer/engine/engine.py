@@ -13,16 +13,17 @@ from batchinfer.engine.chat import check_unicode, encode_prompts, render_chat_te
 from batchinfer.engine.detokenizer import IncrementalDetokenizer
 from batchinfer.engine.kv_cache_manager import KVCacheManager
 from batchinfer.engine.nodes import NodeGroup
-from batchinfer.engine.model_runner import ModelRunner, RunnerOutput
+from batchinfer.engine.model_runner import CPU_DEFAULT_KV_BYTES, ModelRunner, RunnerOutput
 from batchinfer.engine.output_processor import OutputProcessor
 from batchinfer.engine.request import Request, RequestStatus
 from batchinfer.engine.scheduler import Scheduler, SchedulerOutput
 from batchinfer.engine.tensor_parallel import (RunnerArgs, TensorParallelGroup, WorkerError,
                                                 check_divisible)
+from batchinfer.model.checks import check_memory, check_shapes
 from batchinfer.model.config import ModelConfig
 from batchinfer.model.generation_config import generation_defaults
 from batchinfer.model.loader import (hf_config, hf_tokenizer, resolve_model_path,
-                                     resolve_tokenizer_path)
+                                     resolve_tokenizer_path, tensor_shapes)
 from batchinfer.model.parallel import PipelineParallel, TensorParallel, stage_layers
 from batchinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from batchinfer.reasoning import END_TAG, ReasoningParser
@@ -38,6 +39,8 @@ class LLMEngine:
         self.default_sampling = generation_defaults(path, config.generation_config)
         self.model_config = ModelConfig.from_hf(hf_config(path, config.trust_remote_code),
                                                 config.quantization)
+        if config.load_format != "dummy":  # the weights' shapes, from the files' headers
+            check_shapes(tensor_shapes(path), self.model_config, str(path))
         tokenizer_path = resolve_tokenizer_path(config.tokenizer) if config.tokenizer else path
         self.tokenizer = hf_tokenizer(tokenizer_path, config.trust_remote_code)
         self.eos_token_ids = _eos_token_ids(path, self.model_config, self.tokenizer)
@@ -57,12 +60,15 @@ class LLMEngine:
                                  "model's LongRoPE runs with its short-context factors only, "
                                  "up to original_max_position_embeddings")
             max_len = short
+        world = config.tensor_parallel_size * config.pipeline_parallel_size
+        check_memory(self.model_config, self.dtype.itemsize, max_len,
+                     _kv_bytes_asked(config, self.model_config, self.dtype, max_len,
+                                     self.device), world, self.device)
         torch.manual_seed(config.seed)
         self.tensor_parallel: TensorParallelGroup | None = None
         if TensorParallel.size > 1 or PipelineParallel.size > 1:  # the process's state
             raise RuntimeError("a tensor-parallel engine is running in this process; call "
                                "shutdown() on it before starting another engine")
-        world = config.tensor_parallel_size * config.pipeline_parallel_size
         nodes = NodeGroup.of(config)
         if world > 1 or nodes is not None:
             check_divisible(self.model_config, config.tensor_parallel_size)
@@ -419,6 +425,23 @@ def _eos_token_ids(path, model_config: ModelConfig, tokenizer) -> frozenset[int]
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return frozenset(ids)
+
+
+def _kv_bytes_asked(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
+                    max_len: int, device: torch.device) -> int:
+    """The KV cache the settings ask for, in bytes (0 on a GPU left to size it from the
+    memory the weights leave, which it measures)."""
+    kv_dtype = config.kv_cache_torch_dtype(dtype)
+    block_bytes = (2 * model_config.num_hidden_layers * config.block_size
+                   * model_config.num_key_value_heads * model_config.head_dim * kv_dtype.itemsize)
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks * block_bytes
+    if config.kv_cache_memory_bytes is not None:
+        return config.kv_cache_memory_bytes
+    if device.type == "cuda":
+        return 0
+    useful = config.max_num_seqs * -(-max_len // config.block_size) + 1
+    return min(CPU_DEFAULT_KV_BYTES, useful * block_bytes)
 
 
 def _resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:

@@ -115,7 +115,9 @@ class ModelRunner:
                    and TensorParallel.rank == 0 and PipelineParallel.rank == 0 else None)
         self.model = load_model(model_path, model_config, self.backend, dtype, device,
                                 config.load_format, config.allow_pickle_weights, config.seed,
-                                fp8_kv_cache=self.kv_dtype == torch.float8_e4m3fn)
+                                fp8_kv_cache=self.kv_dtype == torch.float8_e4m3fn,
+                                max_position=max_model_len)
+        self.rotary_positions = max_model_len  # the rotary tables' rows
         if device.type == "cpu":
             # decode steps multiply about max_num_seqs rows
             cpu_linear.pack_model(self.model, dtype, batch_hint=config.max_num_seqs)
@@ -193,7 +195,7 @@ class ModelRunner:
         probe_blocks = -(-n // self.block_size)
         caches = self._allocate_kv_cache(probe_blocks)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        positions = torch.arange(n, device=self.device) % self.model.config.max_position_embeddings
+        positions = torch.arange(n, device=self.device) % self.rotary_positions
         starts, num_new = np.array([0]), np.array([n])
         qsl, slot_positions = query_positions(starts, num_new)
         meta = self._metadata(starts, num_new, qsl, slot_positions,

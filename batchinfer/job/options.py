@@ -241,7 +241,7 @@ class JobOptions:
         from batchinfer.model.generation_config import generation_defaults
         setting = self.generation_config or "auto"
         model_dir = None
-        if setting == "auto" and self.model not in (None, "demo"):  # the demo's sets none
+        if self.model not in (None, "demo"):  # the demo's sets none
             from batchinfer.model.loader import resolve_model_path
             try:
                 model_dir = resolve_model_path(self.model)

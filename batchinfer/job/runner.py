@@ -89,14 +89,18 @@ def load_engine(model: str, kwargs: dict[str, Any]) -> Engine:
 
 
 def check_model(model: str, tokenizer: str | None) -> None:
-    """Fail fast (before any input is read) when the model or tokenizer cannot be found."""
+    """Fail fast (before any input is read) when the model or tokenizer cannot be found, or
+    its config.json or GGUF table holds values no model could have."""
     from batchinfer.demo import resolve_model
     from batchinfer.model import gguf
-    from batchinfer.model.loader import resolve_model_path, resolve_tokenizer_path
+    from batchinfer.model.loader import (check_config_file, resolve_model_path,
+                                         resolve_tokenizer_path)
     try:
         path = resolve_model_path(resolve_model(model))
         if gguf.is_gguf(path):
             gguf.check(path)
+        else:
+            check_config_file(path)
     except (FileNotFoundError, ValueError) as e:
         raise JobError(f"--model: {e}") from None
     try:
@@ -355,6 +359,8 @@ def make_builder(options: JobOptions, plan: _Plan, engine: Engine) -> PromptBuil
 def start_engine(options: JobOptions, engine_factory: EngineFactory) -> Engine:
     """The engine, or JobError naming what stopped it from starting."""
     # (these import torch)
+    import torch
+
     from batchinfer.engine.nodes import NodesInterrupted
     from batchinfer.engine.tensor_parallel import WorkerError
     try:
@@ -363,6 +369,10 @@ def start_engine(options: JobOptions, engine_factory: EngineFactory) -> Engine:
         raise JobError(f"--model {options.model}: {e}") from None
     except ValueError as e:
         raise JobError(f"cannot start the engine: {engine_flags_in(str(e))}") from None
+    except (MemoryError, torch.OutOfMemoryError):
+        raise JobError("cannot start the engine: out of memory while loading the model; "
+                       "lower --max-model-len or the KV cache (--kv-cache-memory), or use a "
+                       "machine with more memory") from None
     except (ConnectionError, TimeoutError, WorkerError) as e:  # a node or rank is gone
         raise EngineFailed(f"cannot start the engine: {e}") from None
     except NodesInterrupted as e:

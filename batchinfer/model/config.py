@@ -104,8 +104,8 @@ class ModelConfig:
         text decoder's), its linear layers quantized to FP8 when the checkpoint is or
         quantization is "fp8". ValueError for an architecture or a setting not implemented
         here."""
-        config, architecture = _text_config(hf_config)
-        architecture = architecture or _architecture(config)
+        config, architecture = text_config(hf_config)
+        architecture = architecture or supported_architecture(config)
         arch = ARCHITECTURES[architecture]
         scheme = quantization_scheme(hf_config, config, quantization)
         _check(config)
@@ -157,7 +157,7 @@ class ModelConfig:
         )
 
 
-def _text_config(hf_config) -> tuple[Any, str | None]:
+def text_config(hf_config) -> tuple[Any, str | None]:
     """(the config the engine runs, its architecture where the checkpoint implies one): a
     vision-language checkpoint's text config and decoder, or the config itself."""
     for arch in getattr(hf_config, "architectures", None) or []:
@@ -166,7 +166,7 @@ def _text_config(hf_config) -> tuple[Any, str | None]:
     return hf_config, None
 
 
-def _architecture(config) -> str:
+def supported_architecture(config) -> str:
     archs = getattr(config, "architectures", None) or []
     for arch in archs or [_BY_MODEL_TYPE.get(getattr(config, "model_type", ""), "")]:
         if arch in ARCHITECTURES:

@@ -7,8 +7,11 @@ permutes for its rotary layout put back, as transformers' load_gguf_checkpoint d
 """
 from __future__ import annotations
 
+import mmap
 import re
+import struct
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -70,9 +73,136 @@ def hf_name(name: str) -> str:
     raise ValueError(f"its tensor {name} has no counterpart in the engine's models")
 
 
+# GGUF metadata value types (gguf.GGUFValueType) -> bytes of one value; 8: string, 9: array
+_VALUE_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_MAX_DIMS = 4  # llama.cpp's GGML_MAX_DIMS
+
+
+@dataclass(frozen=True)
+class TableEntry:
+    name: str
+    shape: tuple[int, ...]  # transformers' order (llama.cpp's dims reversed)
+    quant_type: int
+    start: int              # byte range of its data in the file
+    end: int
+
+
+def tensor_table(path: Path) -> list[TableEntry]:
+    """The file's tensor table, read with every count and length checked against the file's
+    size, and every tensor's data inside the file: ValueError naming what does not fit.
+    (The gguf package's reader takes the header's counts and offsets on trust.)"""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    with open(path, "rb") as f:
+        size = f.seek(0, 2)
+        if size < 24:
+            raise ValueError(f"{path} is not a readable GGUF file (only {size} bytes)")
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    with data:
+        magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", data, 0)
+        if magic != b"GGUF" or version not in (2, 3):
+            raise ValueError(f"{path} is not a readable GGUF file (magic {magic!r}, "
+                             f"version {version}; batchinfer reads GGUF versions 2 and 3)")
+        # each entry takes at least 13 (metadata) or 25 (tensor) bytes
+        if 24 + 13 * n_kv + 25 * n_tensors > size:
+            raise ValueError(f"{path}: its header says {n_tensors} tensors and {n_kv} "
+                             f"metadata entries, more than its {size} bytes can hold; the "
+                             "file is damaged or truncated")
+        pos = 24
+
+        def take(fmt: str, what: str) -> tuple:
+            nonlocal pos
+            n = struct.calcsize(fmt)
+            if pos + n > size:
+                raise ValueError(f"{path}: {what} runs past the end of the file "
+                                 f"({size} bytes); the file is damaged or truncated")
+            values = struct.unpack_from(fmt, data, pos)
+            pos += n
+            return values
+
+        def string(what: str) -> str:
+            nonlocal pos
+            (length,) = take("<Q", what)
+            if pos + length > size:
+                raise ValueError(f"{path}: {what} is {length} bytes long, past the end of the "
+                                 f"file ({size} bytes); the file is damaged or truncated")
+            pos += length
+            return data[pos - length:pos].decode("utf-8", errors="replace")
+
+        def skip_value(kind: int, what: str) -> None:
+            nonlocal pos
+            if kind == 8:
+                string(what)
+            elif kind == 9:
+                item, count = take("<IQ", what)
+                if item in _VALUE_BYTES:
+                    if pos + count * _VALUE_BYTES[item] > size:
+                        raise ValueError(f"{path}: {what} holds {count} values, past the end "
+                                         f"of the file ({size} bytes)")
+                    pos += count * _VALUE_BYTES[item]
+                else:
+                    for _ in range(count):
+                        skip_value(item, what)
+            elif kind in _VALUE_BYTES:
+                take(f"<{_VALUE_BYTES[kind]}s", what)
+            else:
+                raise ValueError(f"{path}: {what} has an unknown value type {kind}")
+
+        alignment = 32
+        for i in range(n_kv):
+            key = string(f"metadata entry {i}'s key")
+            (kind,) = take("<I", f"metadata {key}")
+            if key == "general.alignment" and kind == 4:
+                (alignment,) = take("<I", f"metadata {key}")
+                if alignment == 0 or alignment & (alignment - 1):
+                    raise ValueError(f"{path}: general.alignment is {alignment}; it must be "
+                                     "a power of 2")
+            else:
+                skip_value(kind, f"metadata {key}")
+        infos = []
+        for i in range(n_tensors):
+            name = string(f"tensor {i}'s name")
+            (n_dims,) = take("<I", f"tensor {name}")
+            if not 1 <= n_dims <= _MAX_DIMS:
+                raise ValueError(f"{path}: tensor {name} has {n_dims} dimensions; a GGUF "
+                                 f"tensor has 1 to {_MAX_DIMS}")
+            dims = take(f"<{n_dims}Q", f"tensor {name}")
+            quant_type, offset = take("<IQ", f"tensor {name}")
+            infos.append((name, dims, quant_type, offset))
+        start = -(-pos // alignment) * alignment
+        table = []
+        for name, dims, quant_type, offset in infos:
+            try:
+                block, type_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(quant_type)]
+            except (ValueError, KeyError):
+                raise ValueError(f"{path}: tensor {name} has an unknown type {quant_type}") from None
+            elements = 1
+            for d in dims:
+                elements *= d
+            if dims[0] % block:
+                raise ValueError(f"{path}: tensor {name} has rows of {dims[0]} values, not a "
+                                 f"multiple of its type's block of {block}")
+            begin = start + offset
+            end = begin + elements // block * type_bytes
+            if end > size:
+                raise ValueError(f"{path}: tensor {name} ({list(reversed(dims))}) lies at bytes "
+                                 f"{begin} to {end}, past the end of the file ({size} bytes); "
+                                 "the file is damaged or truncated")
+            table.append(TableEntry(name, tuple(reversed(dims)), quant_type, begin, end))
+        return table
+
+
+def tensor_shapes(path: Path) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """The file's tensors' shapes under transformers' names (rope_freqs left out)."""
+    for entry in tensor_table(path):
+        name = hf_name(entry.name)
+        if name != ROPE_FREQS:
+            yield name, entry.shape
+
+
 def check(path: Path) -> None:
-    """Refuse, before anything loads, a file whose architecture, tensors or quantization
-    types this engine cannot run: ValueError naming what and where."""
+    """Refuse, before anything loads, a file whose tensor table does not fit the file, or
+    whose architecture, tensors or quantization types this engine cannot run: ValueError
+    naming what and where."""
     try:
         from gguf import GGMLQuantizationType, GGUFReader
         from gguf.quants import _type_traits
@@ -80,10 +210,11 @@ def check(path: Path) -> None:
         raise ValueError(f"{path} is a GGUF file, which needs the gguf package: pip install "
                          "'batchinfer[gguf]'") from None
     readable = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, *_type_traits}
+    tensor_table(path)
     try:
         reader = GGUFReader(path)
-    except (ValueError, OSError) as e:
-        raise ValueError(f"{path} is not a readable GGUF file ({e})") from None
+    except Exception as e:  # noqa: BLE001 (the reader's errors on a damaged file vary)
+        raise ValueError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
     arch = _architecture(reader)
     if arch not in ARCHITECTURES:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (supported: "
@@ -106,7 +237,12 @@ def hf_config(path: Path):
     check(path)
     from gguf import GGUFReader
     from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    try:
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    except Exception as e:  # noqa: BLE001 (what transformers raises on a file's values varies)
+        message = (str(e).strip().splitlines() or [""])[0]
+        raise ValueError(f"{path}: transformers cannot read its metadata "
+                         f"({type(e).__name__}: {message})") from None
     for tensor in GGUFReader(path).tensors:
         if tensor.name == ROPE_FREQS:
             config.rope_freq_factors = [float(v) for v in tensor.data.reshape(-1)]

@@ -219,7 +219,8 @@ class DecoderModel(nn.Module):
     pipeline parallelism), the embedding on the first stage and the final norm on the
     last. The others' layers are OtherStage placeholders, so names keep their indices."""
 
-    def __init__(self, config: ModelConfig, backend, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, backend, dtype: torch.dtype,
+                 max_position: int | None = None):
         super().__init__()
         self.stage = stage_layers(config.num_hidden_layers, PipelineParallel.size,
                                   PipelineParallel.rank)
@@ -233,9 +234,11 @@ class DecoderModel(nn.Module):
             else OtherStage() for i, layer in enumerate(config.layers))
         self.norm = (norm_class(config)(config.hidden_size, config.rms_norm_eps)
                      if PipelineParallel.is_last() else None)
-        # one table for all layers, or one per layer type where each has its own settings
+        # one table for all layers, or one per layer type where each has its own settings,
+        # as long as the run's context (max_model_len), not the config's largest
+        positions = max_position or config.max_position_embeddings
         self.rotary = nn.ModuleDict({
-            key: RotaryEmbedding(config.head_dim, config.max_position_embeddings, params, dtype)
+            key: RotaryEmbedding(config.head_dim, positions, params, dtype)
             for key, params in config.rope.items()})
 
     @property
@@ -255,10 +258,11 @@ class CausalLM(nn.Module):
     pipeline parallelism a stage runs its own layers: forward() takes the previous stage's
     (hidden, residual) and, but on the last stage, returns its own pair."""
 
-    def __init__(self, config: ModelConfig, backend, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, backend, dtype: torch.dtype,
+                 max_position: int | None = None):
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, backend, dtype)
+        self.model = DecoderModel(config, backend, dtype, max_position)
         self.tie_word_embeddings = config.tie_word_embeddings
         self.logit_softcap = config.logit_softcap
         self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size)
@@ -353,6 +357,9 @@ class CausalLM(nn.Module):
                 elif hasattr(owner, "load_shard"):
                     owner.load_shard(param, tensor, shard_id or 0)
                 else:
+                    if tuple(tensor.shape) != tuple(param.shape):
+                        raise ValueError(f"has shape {list(tensor.shape)}, expected "
+                                         f"{list(param.shape)}")
                     param.data.copy_(tensor.read())
             except ValueError as e:
                 raise ValueError(f"checkpoint tensor {name!r} {e}") from None

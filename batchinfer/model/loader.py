@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from batchinfer.model import cpu_linear, fp8, gguf
-from batchinfer.model.config import ModelConfig
+from batchinfer.model.checks import check_config, checked_scales
+from batchinfer.model.config import ModelConfig, supported_architecture, text_config
 from batchinfer.model.kv_scales import take_kv_scales
 from batchinfer.model.llama import CausalLM, GemmaRMSNorm
 from batchinfer.model.weights import CheckpointTensor, file_tensors
@@ -36,11 +37,53 @@ def resolve_model_path(model: str) -> Path:
 
 
 def hf_config(path: Path, trust_remote_code: bool = False):
-    """transformers' config of the model at path (a resolve_model_path)."""
+    """transformers' config of the model at path (a resolve_model_path), its values checked
+    (batchinfer.model.checks) before and after transformers reads them: ValueError naming
+    the file and field."""
     if gguf.is_gguf(path):
-        return gguf.hf_config(path)
-    from transformers import AutoConfig
-    return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        config, where = gguf.hf_config(path), str(path)
+    else:
+        where = check_config_file(path)
+        from transformers import AutoConfig
+        try:
+            config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        except Exception as e:  # noqa: BLE001 (what transformers raises on a file's values varies)
+            raise ValueError(f"{where}: transformers cannot read it "
+                             f"({type(e).__name__}: {_first_line(e)})") from None
+    text, architecture = text_config(config)
+    architecture or supported_architecture(text)  # an unsupported one is named first
+    check_config(text, where)
+    return config
+
+
+def check_config_file(path: Path) -> str:
+    """Check the values of a model directory's config.json as the file gives them (before
+    transformers reads it, which some values crash); returns the file's name."""
+    where = str(path / "config.json")
+    try:
+        raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{where}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: not a JSON object")
+    check_config(raw, where, complete=False)
+    return where
+
+
+def _first_line(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def tensor_shapes(path: Path) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """The checkpoint's tensors' shapes under transformers' names, from the files' headers
+    (nothing is read); none for pickle weights."""
+    if gguf.is_gguf(path):
+        yield from gguf.tensor_shapes(path)
+        return
+    for name, tensor in language_model_weights(iter_weights(path, allow_pickle=False,
+                                                            headers_only=True)):
+        yield name, tuple(tensor.shape)
 
 
 def hf_tokenizer(path: Path, trust_remote_code: bool = False):
@@ -113,9 +156,11 @@ def language_model_weights(weights: Iterator[tuple[str, CheckpointTensor]]
         yield name, tensor
 
 
-def iter_weights(path: Path, allow_pickle: bool) -> Iterator[tuple[str, CheckpointTensor]]:
+def iter_weights(path: Path, allow_pickle: bool, headers_only: bool = False
+                 ) -> Iterator[tuple[str, CheckpointTensor]]:
     """Tensors of a (possibly sharded) safetensors checkpoint, each read when and as far as
-    the model asks (batchinfer.model.weights); pickle only when allowed."""
+    the model asks (batchinfer.model.weights); pickle only when allowed. headers_only:
+    the safetensors files' tensors alone, nothing for pickle weights."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -132,6 +177,8 @@ def iter_weights(path: Path, allow_pickle: bool) -> Iterator[tuple[str, Checkpoi
             yield from tensors
         return
     pickles = sorted(path.glob("*.bin")) + sorted(path.glob("*.pt"))
+    if headers_only:
+        return
     if not pickles:
         raise FileNotFoundError(f"no *.safetensors weights in {path}")
     if not allow_pickle:
@@ -145,28 +192,31 @@ def iter_weights(path: Path, allow_pickle: bool) -> Iterator[tuple[str, Checkpoi
 
 
 def build_model(config: ModelConfig, backend, dtype: torch.dtype,
-                device: torch.device) -> CausalLM:
+                device: torch.device, max_position: int | None = None) -> CausalLM:
     """The model with empty parameters in dtype, FP8 layers' weights and scales kept in
-    theirs (parameters marked keep_dtype)."""
+    theirs (parameters marked keep_dtype); its rotary tables cover max_position positions
+    (default: the config's max_position_embeddings)."""
     with torch.device(device):
-        model = CausalLM(config, backend, dtype)
+        model = CausalLM(config, backend, dtype, max_position)
     return model._apply(lambda t: t if getattr(t, "keep_dtype", False) or not t.is_floating_point()
                         else t.to(dtype))
 
 
 def load_model(path: Path, config: ModelConfig, backend, dtype: torch.dtype,
                device: torch.device, load_format: str = "auto", allow_pickle: bool = False,
-               seed: int = 0, fp8_kv_cache: bool = False) -> CausalLM:
+               seed: int = 0, fp8_kv_cache: bool = False,
+               max_position: int | None = None) -> CausalLM:
     """The model with its weights; with fp8_kv_cache, also the checkpoint's KV-cache scales
-    (kv_scales), which are passed over otherwise."""
-    model = build_model(config, backend, dtype, device)
+    (kv_scales), which are passed over otherwise. FP8 weight and input scales are checked
+    as they load (checks.checked_scales)."""
+    model = build_model(config, backend, dtype, device, max_position)
     if load_format == "dummy":
         _init_random(model, seed)
     elif gguf.is_gguf(path):
         model.load_weights(gguf.iter_weights(path, config.num_attention_heads,
                                              config.num_key_value_heads, dtype))
     else:
-        weights = language_model_weights(iter_weights(path, allow_pickle))
+        weights = checked_scales(language_model_weights(iter_weights(path, allow_pickle)))
         model.load_weights(take_kv_scales(model, weights, fp8_kv_cache))
     return model.eval()
 
