@@ -152,6 +152,43 @@ class KVCacheManager:
         request.kv_room = room
         return new
 
+    def allocate_slots_running(self, requests: list[Request],
+                               num_new_tokens: list[int]) -> list[list[int]] | None:
+        """allocate_slots(requests[i], num_new_tokens[i]) for running requests (no cache
+        hits to add), as one commit: the new block ids of each, or None (and nothing
+        changed) when the free blocks do not cover them all. Blocks are taken and full
+        blocks registered request by request, in the order given, so the pool and the
+        prefix cache end as the calls one by one would leave them."""
+        req_blocks, bs = self.req_blocks, self.block_size
+        block_lists = [req_blocks[r.request_id] for r in requests]
+        needed = 0
+        for req, n, blocks in zip(requests, num_new_tokens, block_lists):
+            num_new = -(-(req.num_computed_tokens + n) // bs) - len(blocks)
+            if num_new > 0:
+                needed += num_new
+        if needed > self.pool.num_free_blocks:
+            return None
+        allocate, caching = self.pool.allocate, self.enable_caching
+        num_cached_blocks, cache_full_blocks = self.num_cached_blocks, self._cache_full_blocks
+        out = []
+        for req, n, blocks in zip(requests, num_new_tokens, block_lists):
+            total = req.num_computed_tokens + n
+            num_new = -(-total // bs) - len(blocks)
+            if num_new > 0:
+                new = allocate(num_new)
+                blocks.extend(new)
+                out.append([b.block_id for b in new])
+            else:
+                out.append([])
+            room = len(blocks) * bs
+            if caching:
+                num_cached = num_cached_blocks.get(req.request_id, 0)
+                if total // bs > num_cached:
+                    num_cached = cache_full_blocks(req, blocks, total // bs)
+                room = min(room, (num_cached + 1) * bs - 1)
+            req.kv_room = room
+        return out
+
     def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_full: int) -> int:
         """Register the request's full blocks up to num_full; returns how many it has
         registered."""

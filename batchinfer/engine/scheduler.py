@@ -2,9 +2,11 @@
 computed tokens up with its total tokens, under a token budget and a sequence cap.
 
 Running requests go first (oldest first), then waiting ones. A prompt longer than the
-remaining budget is split across steps (chunked prefill). When a running request needs a
-block and none is free, the most recently admitted running request is preempted: its
-blocks are freed and it is recomputed later (its prefix is usually still cached).
+remaining budget is split across steps (chunked prefill). The running requests at a block
+boundary get their blocks in one commit when the free blocks cover them all; when not,
+they are allocated for one by one, and a request that needs a block when none is free
+preempts the most recently admitted running request: its blocks are freed and it is
+recomputed later (its prefix is usually still cached).
 
 As in vLLM V1, a request's computed tokens count its scheduled ones as soon as they are
 scheduled: by the time the next plan is made, the one before has run.
@@ -88,46 +90,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
         now = time.monotonic()
-        allocate = self.kv.allocate_slots
-        cached = out.cached_requests
-        add_id, add_blocks = cached.req_ids.append, cached.new_block_ids.append
-        add_computed = cached.num_computed_tokens.append
-        counts = []
-        add_count = counts.append
-        prompt_computed = 0
-        running = self.running
-        # a for loop over a list that preemption shortens from its tail: it ends where the
-        # list does, and at the request that preempts itself
-        for req in running:
-            if budget <= 0:
-                break
-            computed = req.num_computed_tokens
-            n = len(req.token_ids) - computed
-            if n > budget:
-                n = budget
-            if computed < req.num_prompt_tokens:
-                prompt_computed += min(n, req.num_prompt_tokens - computed)
-            if computed + n <= req.kv_room:
-                block_ids = []  # the common decode step: room in its blocks (allocate's test)
-            else:
-                while (new_blocks := allocate(req, n)) is None:
-                    victim = running.pop()
-                    self._preempt(victim, out)
-                    if victim is req:
-                        break
-                if new_blocks is None:
-                    break
-                block_ids = [b.block_id for b in new_blocks]
-            req.num_computed_tokens = computed + n
-            add_id(req.request_id)
-            add_blocks(block_ids)
-            add_computed(computed)
-            add_count(n)
-            budget -= n
-        out.num_scheduled_tokens.update(zip(cached.req_ids, counts))
-
+        budget, prompt_computed = self._schedule_running(out)
         while (self.waiting and budget > 0 and not out.preempted_req_ids
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
@@ -156,6 +120,81 @@ class Scheduler:
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         return out
+
+    def _schedule_running(self, out: SchedulerOutput) -> tuple[int, int]:
+        """Plan the running requests (oldest first) into `out`; returns the token budget
+        left and the prompt tokens planned. The requests at a block boundary (a block to
+        allocate, or a full one to register in the prefix cache) get their blocks in one
+        commit when the free blocks cover them all; when not, the plan is made again
+        request by request, preempting from the tail where the blocks run out."""
+        budget, prompt_computed, boundary = self._plan_running(out, batched=True)
+        if not boundary:
+            return budget, prompt_computed
+        running, cached = self.running, out.cached_requests
+        requests = [running[i] for i in boundary]  # nothing preempted: plan order
+        counts = [out.num_scheduled_tokens[r.request_id] for r in requests]
+        block_ids = self.kv.allocate_slots_running(requests, counts)
+        if block_ids is None:
+            for req, computed in zip(running, cached.num_computed_tokens):
+                req.num_computed_tokens = computed
+            out.cached_requests, out.num_scheduled_tokens = CachedRequestData(), {}
+            budget, prompt_computed, _ = self._plan_running(out, batched=False)
+            return budget, prompt_computed
+        new_block_ids = cached.new_block_ids
+        for i, req, n, ids in zip(boundary, requests, counts, block_ids):
+            new_block_ids[i] = ids
+            req.num_computed_tokens += n
+        return budget, prompt_computed
+
+    def _plan_running(self, out: SchedulerOutput, batched: bool) -> tuple[int, int, list[int]]:
+        """The running requests' part of the plan: (budget left, prompt tokens planned, the
+        plan indices of the requests at a block boundary). batched: those get no blocks
+        and keep their computed tokens (_schedule_running allocates for them together);
+        otherwise each is allocated for in turn, with preemption."""
+        budget = self.max_num_batched_tokens
+        allocate = self.kv.allocate_slots
+        cached = out.cached_requests
+        add_id, add_blocks = cached.req_ids.append, cached.new_block_ids.append
+        add_computed = cached.num_computed_tokens.append
+        counts = []
+        add_count = counts.append
+        boundary = []
+        prompt_computed = 0
+        running = self.running
+        # a for loop over a list that preemption shortens from its tail: it ends where the
+        # list does, and at the request that preempts itself
+        for req in running:
+            if budget <= 0:
+                break
+            computed = req.num_computed_tokens
+            n = len(req.token_ids) - computed
+            if n > budget:
+                n = budget
+            if computed < req.num_prompt_tokens:
+                prompt_computed += min(n, req.num_prompt_tokens - computed)
+            if computed + n <= req.kv_room:
+                block_ids = []  # the common decode step: room in its blocks (allocate's test)
+                req.num_computed_tokens = computed + n
+            elif batched:
+                block_ids = None  # _schedule_running's
+                boundary.append(len(counts))
+            else:
+                while (new_blocks := allocate(req, n)) is None:
+                    victim = running.pop()
+                    self._preempt(victim, out)
+                    if victim is req:
+                        break
+                if new_blocks is None:
+                    break
+                block_ids = [b.block_id for b in new_blocks]
+                req.num_computed_tokens = computed + n
+            add_id(req.request_id)
+            add_blocks(block_ids)
+            add_computed(computed)
+            add_count(n)
+            budget -= n
+        out.num_scheduled_tokens.update(zip(cached.req_ids, counts))
+        return budget, prompt_computed, boundary
 
     def update_from_output(self, plan: SchedulerOutput, req_ids: list[str],
                            token_ids: list[int]) -> list[Request]:

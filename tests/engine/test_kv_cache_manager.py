@@ -178,6 +178,54 @@ def test_allocate_slots_returns_none_and_changes_nothing_when_out_of_blocks():
     assert snapshot(kv) == before
 
 
+def running_pair(kv: KVCacheManager) -> tuple[Request, Request]:
+    """Two running requests at a block boundary in a pool of 5 blocks, where a freed
+    request's cached blocks 1 and 0 are the last free ones: "a" fills a block equal to
+    cached block 0, and "b" has a 12-token chunk to add that takes blocks 4, 1 and 0."""
+    old = make_request("old", list(range(8)))
+    commit(kv, old)
+    kv.free(old)
+    a = make_request("a", [0, 1, 2])
+    assert kv.allocate_slots(a, 3) is not None  # no prefix-cache query: block 2
+    a.num_computed_tokens = 3
+    a.append_token(3)
+    b = make_request("b", list(range(100, 116)))
+    assert kv.allocate_slots(b, 4) is not None  # its first chunk: block 3
+    b.num_computed_tokens = 4
+    return a, b
+
+
+def block_ids_snapshot(kv: KVCacheManager) -> tuple:
+    """snapshot() with blocks by id, to compare two managers."""
+    free, refs, hashes, cached, req_blocks, num_cached = snapshot(kv)
+    return (free, refs, hashes, {h: b.block_id for h, b in cached.items()},
+            {r: [b.block_id for b in blocks] for r, blocks in req_blocks.items()}, num_cached)
+
+
+def test_allocate_slots_running_matches_allocate_slots_one_by_one():
+    together, one_by_one = (KVCacheManager(5, BS, enable_caching=True) for _ in range(2))
+    a, b = running_pair(together)
+    new = together.allocate_slots_running([a, b], [1, 12])
+    c, d = running_pair(one_by_one)
+    assert new == [[b.block_id for b in one_by_one.allocate_slots(r, n)]
+                   for r, n in ((c, 1), (d, 12))]
+    assert new == [[], [4, 1, 0]]
+    assert block_ids_snapshot(together) == block_ids_snapshot(one_by_one)
+    assert (a.kv_room, b.kv_room) == (c.kv_room, d.kv_room)
+    # a's block stayed private (block 0 held its hash when a registered it), and b's
+    # allocation evicted block 0: that hash is no longer cached
+    assert together.pool.blocks[2].block_hash is None
+    assert a.block_hashes[0] not in together.pool.cached
+
+
+def test_allocate_slots_running_returns_none_and_changes_nothing_when_short():
+    kv = KVCacheManager(5, BS, enable_caching=True)
+    a, b = running_pair(kv)
+    before = snapshot(kv), a.kv_room, b.kv_room
+    assert kv.allocate_slots_running([a, b], [1, 16]) is None  # 4 blocks, 3 free
+    assert (snapshot(kv), a.kv_room, b.kv_room) == before
+
+
 def test_decode_allocates_a_block_only_when_crossing_a_boundary_and_caches_it():
     kv = KVCacheManager(8, BS, enable_caching=True)
     req = make_request("a", [1, 2, 3])

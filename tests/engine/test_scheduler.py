@@ -310,3 +310,69 @@ def test_random_workload_keeps_every_invariant_and_frees_everything(seed: int):
     assert sim.kv.num_free_blocks == 24
     assert all(b.ref_cnt == 0 for b in sim.kv.pool.blocks)
     assert sim.kv.req_blocks == {}
+
+
+class OneByOneScheduler(Scheduler):
+    """Allocation at block boundaries request by request, as when the free blocks do not
+    cover a step's boundary requests together."""
+
+    def _schedule_running(self, out: SchedulerOutput) -> tuple[int, int]:
+        budget, prompt_computed, _ = self._plan_running(out, batched=False)
+        return budget, prompt_computed
+
+
+def block_state(sim: Sim) -> tuple:
+    kv, pool = sim.kv, sim.kv.pool
+    return ([b.block_id for b in pool.free_queue], [b.ref_cnt for b in pool.blocks],
+            [b.block_hash for b in pool.blocks],
+            {h: b.block_id for h, b in pool.cached.items()},
+            {r: [b.block_id for b in blocks] for r, blocks in kv.req_blocks.items()},
+            dict(kv.num_cached_blocks), {r: q.kv_room for r, q in sim.requests.items()})
+
+
+def plan_state(plan: SchedulerOutput) -> tuple:
+    return (plan.num_scheduled_tokens, plan.cached_requests, plan.preempted_req_ids,
+            [(n.req_id, n.block_ids, n.num_computed_tokens) for n in plan.new_requests])
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("caching", [True, False])
+def test_batched_boundary_allocation_matches_one_by_one(seed: int, caching: bool):
+    """The same workload through both paths gives the same plans, block tables and prefix
+    cache at every step, with steps where the free blocks cover every boundary request
+    (one commit) and steps where they do not (the one-by-one fallback, preempting)."""
+    rng = random.Random(seed)
+    batched, one_by_one = (Sim(num_blocks=28, block_size=4, max_num_seqs=8,
+                               max_num_batched_tokens=24, caching=caching) for _ in range(2))
+    one_by_one.sched = OneByOneScheduler(one_by_one.kv, 8, 24)
+    commits = []
+    allocate = batched.kv.allocate_slots_running
+
+    def counted(requests, counts):
+        result = allocate(requests, counts)
+        commits.append(result is not None)
+        return result
+
+    batched.kv.allocate_slots_running = counted
+    # shared prefixes and the Sim's sampled tokens (1000 + output index, the same for
+    # every request) give equal block hashes across requests: private duplicates, and
+    # freed cached blocks evicted while an equal block is registered
+    prefixes = [[rng.randrange(50) for _ in range(rng.randrange(3, 10))] for _ in range(3)]
+    workload = {}  # arrival step -> requests
+    for i in range(20):
+        prompt = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 12))]
+        workload.setdefault(rng.randrange(30), []).append((f"q{i}", prompt, rng.randrange(1, 24)))
+    step = 0
+    while step < 30 or batched.sched.has_unfinished():
+        for req_id, prompt, max_tokens in workload.get(step, ()):
+            for sim in (batched, one_by_one):
+                sim.add(req_id, prompt, max_tokens)
+        if batched.sched.has_unfinished():
+            assert plan_state(batched.step()) == plan_state(one_by_one.step())
+            assert block_state(batched) == block_state(one_by_one)
+        step += 1
+        assert step < 1000, "the scheduler made no progress"
+    assert not one_by_one.sched.has_unfinished()
+    assert sorted(batched.finished) == sorted(r for reqs in workload.values() for r, _, _ in reqs)
+    assert True in commits and False in commits  # both paths taken
+    assert batched.sched.num_preemptions == one_by_one.sched.num_preemptions > 0
