@@ -28,6 +28,7 @@ from test_bad_input import assert_fatal
 # process (Python, torch, transformers, the tiny model) maps about 2.0 GiB at its peak with
 # the thread and arena settings of run_limited (2.35 GiB without them), 0.47 GiB resident
 LIMIT_BYTES = 5 << 29  # 2.5 GiB
+RSS_BYTES = 2 << 30  # and each case's peak resident memory under 2 GiB
 SECONDS = 30           # the most any case may take
 # llama with head_dim = hidden_size / heads, as a GGUF file's metadata implies it
 GGUF_SHAPE = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -271,8 +272,10 @@ def test_generation_config_values_no_user_means_are_ignored_with_a_warning(tmp_p
 # ---- under an address-space limit ------------------------------------------------------------
 
 LIMITED = """
-import resource, sys
+import atexit, resource, sys
 resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit}))
+atexit.register(lambda: open({rss_file!r}, "w").write(
+    str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)))
 from batchinfer.cli import main
 sys.argv = ["batchinfer", *sys.argv[1:]]
 main()
@@ -282,13 +285,17 @@ main()
 def run_limited(data: Path, out: Path, model: Path, *flags: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RAYON_NUM_THREADS": "1",
            "TOKENIZERS_PARALLELISM": "false", "MALLOC_ARENA_MAX": "2", "TRITON_INTERPRET": "1"}
+    rss_file = out.with_name(out.name + ".rss")
     start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-c", LIMITED.format(limit=LIMIT_BYTES), "run", str(data), "-o",
+        [sys.executable, "-c", LIMITED.format(limit=LIMIT_BYTES, rss_file=str(rss_file)),
+         "run", str(data), "-o",
          str(out), "--model", str(model), "--max-tokens", "2", "--no-progress", "--dtype",
          "float32", "--max-num-seqs", "4", *flags],
         capture_output=True, text=True, timeout=SECONDS + 30, env=env)
     assert time.monotonic() - start < SECONDS, proc.stderr
+    peak = int(rss_file.read_text())
+    assert peak < RSS_BYTES, f"peak resident memory {peak / 2**30:.2f} GiB"
     return proc
 
 
