@@ -63,6 +63,7 @@ STARTUP_TIMEOUT_S = 600.0       # for every worker to start and import torch
 # enough for ranks whose checkpoint loads finish far apart, as on a busy shared filesystem)
 GROUP_TIMEOUT = timedelta(minutes=30)
 JOIN_TIMEOUT_S = 30.0           # for a worker to exit after shutdown
+GIVEN_UP_JOIN_S = 5.0           # for a join rank 0 gave up to fail once its store is gone
 LOOPBACK = "127.0.0.1"
 
 
@@ -262,6 +263,7 @@ class TensorParallelGroup:
         self._broken: str | None = None
         self._leaders = None  # across nodes: the gloo group node 0's plans go over
         self._built = False   # every rank's runner is built: the nodes serve plans
+        self._joining: threading.Thread | None = None  # rank 0's join
         self._point = None  # one node: where this node's ranks meet
         if nodes is None:
             secret = new_secret().encode()
@@ -330,7 +332,8 @@ class TensorParallelGroup:
             except BaseException as e:
                 errors.append(e)
 
-        thread = threading.Thread(target=join, name="batchinfer-tp-join", daemon=True)
+        thread = self._joining = threading.Thread(target=join, name="batchinfer-tp-join",
+                                                  daemon=True)
         thread.start()
         try:
             while thread.is_alive():
@@ -480,3 +483,7 @@ class TensorParallelGroup:
         torch.set_num_threads(self._threads)
         if self._point is not None:
             self._point.close()
+            # a join given up fails now that its store is gone: wait for it, since a thread
+            # that needs the GIL back while the interpreter exits aborts the process
+            if self._joining is not None:
+                self._joining.join(GIVEN_UP_JOIN_S)
