@@ -1,6 +1,7 @@
 """The nodes' meeting point: a small key-value store that node 0 serves to its own
 processes and the other nodes' over TCP, bound to --master-addr alone and open only to
-processes that prove they hold the job's secret.
+processes that prove they hold the job's secret. On one node, rank 0 of a parallel engine
+serves one on loopback to its workers alone, under a secret of that engine's own.
 
 torch.distributed's groups rendezvous through it (MeetingStore is a
 torch.distributed.Store), and node 0's word, each node's identity and which nodes are
@@ -121,7 +122,8 @@ def _as_bytes(value) -> bytes:
 
 
 class MeetingPoint:
-    """Node 0's side: serves the store at (addr, port) until close()."""
+    """Node 0's side: serves the store at (addr, port) until close(); port 0 takes a free
+    one, which `port` tells."""
 
     def __init__(self, addr: str, port: int, secret: bytes, log=None):
         self._secret = secret
@@ -140,6 +142,7 @@ class MeetingPoint:
             self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             self._listener.bind(address)
             self._listener.listen(128)
+            self.port = self._listener.getsockname()[1]
         except OSError as e:
             raise ConnectionError(f"cannot serve the nodes' meeting point {addr}:{port} "
                                   f"(--master-addr/--master-port): {e.strerror or e}") from None

@@ -38,14 +38,12 @@ import multiprocessing
 import os
 import pickle
 import queue
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -56,6 +54,7 @@ from batchinfer.config import EngineConfig
 from batchinfer.engine.scheduler import SchedulerOutput
 from batchinfer.model.config import ModelConfig
 from batchinfer.engine import wire
+from batchinfer.engine.node_store import MeetingPoint, MeetingStore, new_secret
 from batchinfer.engine.nodes import WAIT_FOR_NODE0, NodeGroup, engine_identity
 from batchinfer.model.parallel import PipelineParallel, TensorParallel
 
@@ -64,10 +63,15 @@ STARTUP_TIMEOUT_S = 600.0       # for every worker to start and import torch
 # enough for ranks whose checkpoint loads finish far apart, as on a busy shared filesystem)
 GROUP_TIMEOUT = timedelta(minutes=30)
 JOIN_TIMEOUT_S = 30.0           # for a worker to exit after shutdown
+GIVEN_UP_JOIN_S = 5.0           # for a join rank 0 gave up to fail once its store is gone
+LOOPBACK = "127.0.0.1"
 
 
 # rank 0's join of a start that failed, still waiting out its rendezvous in the background
 _stranded_join: threading.Thread | None = None
+# the store the group met through: torch calls back into this Python object, which must
+# live as long as the group does
+_group_store: MeetingStore | None = None
 
 
 class WorkerError(RuntimeError):
@@ -113,9 +117,21 @@ def rank_device(device: torch.device, local_rank: int) -> torch.device:
 
 @dataclass(frozen=True)
 class Rendezvous:
-    """Where a group's ranks meet: a file on one node, node 0's store across nodes."""
-    file: str | None = None
+    """Where a group's ranks meet: on one node, the meeting point rank 0 serves on loopback
+    (port) under a secret of this engine's own; across nodes, node 0's.
+
+    Not a file (torch's FileStore): a rank killed between the write() calls of one record
+    leaves the file torn, and FileStore then reads it forever, in its constructor holding
+    the GIL, so rank 0 could neither finish joining nor notice that the worker died."""
+    port: int = 0
+    secret: bytes = field(default=b"", repr=False)
     nodes: NodeGroup | None = None
+
+    def store(self, leader: bool) -> MeetingStore:
+        if self.nodes is not None:
+            return self.nodes.store() if leader else self.nodes.worker_store()
+        return MeetingStore(LOOPBACK, self.port, self.secret, connect_timeout=GROUP_TIMEOUT,
+                            timeout=GROUP_TIMEOUT)
 
 
 def _join(rank: int, size: int, meet: Rendezvous, device: torch.device, tp_size: int,
@@ -128,15 +144,12 @@ def _join(rank: int, size: int, meet: Rendezvous, device: torch.device, tp_size:
     if sys.platform == "linux" and previous is None and meet.nodes is None:
         # every rank is on this machine: gloo over loopback, whatever the hostname resolves to
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    global _group_store
     leaders = None
     try:
-        if meet.nodes is None:
-            dist.init_process_group(backend, init_method=f"file://{meet.file}", rank=rank,
-                                    world_size=size, timeout=GROUP_TIMEOUT)
-        else:
-            store = meet.nodes.store() if leader else meet.nodes.worker_store()
-            dist.init_process_group(backend, store=dist.PrefixStore("group", store), rank=rank,
-                                    world_size=size, timeout=GROUP_TIMEOUT)
+        _group_store = store = meet.store(leader)
+        dist.init_process_group(backend, store=dist.PrefixStore("group", store), rank=rank,
+                                world_size=size, timeout=GROUP_TIMEOUT)
         # host-side agreements (KV block counts) go over gloo whatever the device backend
         cpu_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
         # every rank makes every stage's group, in the same order
@@ -156,8 +169,10 @@ def _join(rank: int, size: int, meet: Rendezvous, device: torch.device, tp_size:
 
 
 def _leave() -> None:
+    global _group_store
     if dist.is_initialized():
         dist.destroy_process_group()
+    _group_store = None
     TensorParallel.rank, TensorParallel.size = 0, 1
     TensorParallel.group = TensorParallel.cpu_group = None
     PipelineParallel.rank, PipelineParallel.size = 0, 1
@@ -248,8 +263,14 @@ class TensorParallelGroup:
         self._broken: str | None = None
         self._leaders = None  # across nodes: the gloo group node 0's plans go over
         self._built = False   # every rank's runner is built: the nodes serve plans
-        self._dir = tempfile.mkdtemp(prefix="batchinfer-tp-")
-        meet = Rendezvous(os.path.join(self._dir, "rendezvous"), nodes)
+        self._joining: threading.Thread | None = None  # rank 0's join
+        self._point = None  # one node: where this node's ranks meet
+        if nodes is None:
+            secret = new_secret().encode()
+            self._point = MeetingPoint(LOOPBACK, 0, secret)
+            meet = Rendezvous(self._point.port, secret)
+        else:
+            meet = Rendezvous(nodes=nodes)
         ctx = multiprocessing.get_context("spawn")
         self._reports = ctx.Queue()
         self._errors: list[str] = []
@@ -311,7 +332,8 @@ class TensorParallelGroup:
             except BaseException as e:
                 errors.append(e)
 
-        thread = threading.Thread(target=join, name="batchinfer-tp-join", daemon=True)
+        thread = self._joining = threading.Thread(target=join, name="batchinfer-tp-join",
+                                                  daemon=True)
         thread.start()
         try:
             while thread.is_alive():
@@ -459,4 +481,9 @@ class TensorParallelGroup:
         self.workers = []
         self._reports.close()
         torch.set_num_threads(self._threads)
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._point is not None:
+            self._point.close()
+            # a join given up fails now that its store is gone: wait for it, since a thread
+            # that needs the GIL back while the interpreter exits aborts the process
+            if self._joining is not None:
+                self._joining.join(GIVEN_UP_JOIN_S)
