@@ -183,10 +183,12 @@ class MeetingPoint:
                     raise PermissionError
                 conn.sendall(_mac(self._secret, b"server", nonces))
                 conn.settimeout(None)
-            except (OSError, ConnectionError, PermissionError):
+            except (OSError, ConnectionError, PermissionError) as e:
+                # (a rank killed while it connects ends here too, by a closed connection)
+                why = "it did not prove it holds this job's secret" if isinstance(
+                    e, PermissionError) else f"its handshake ended unfinished ({e or 'closed'})"
                 print(f"batchinfer: warning: refused a connection to the nodes' meeting point "
-                      f"from {peer[0]}:{peer[1]}: it did not prove it holds this job's secret",
-                      file=self._log, flush=True)
+                      f"from {peer[0]}:{peer[1]}: {why}", file=self._log, flush=True)
                 return
             finally:
                 self._handshakes.release()

@@ -50,7 +50,18 @@ def test_a_client_with_another_secret_is_refused_and_named(point):
         _client(point, b"not-the-secret-of-this-job")
     time.sleep(0.2)
     assert "refused a connection to the nodes' meeting point from 127.0.0.1:" in point.log.getvalue()
+    assert "did not prove it holds this job's secret" in point.log.getvalue()
     _client(point).set("still", b"serving")  # the refusal broke nothing
+
+
+def test_a_client_gone_in_the_handshake_is_not_called_a_stranger(point):
+    """(a rank killed while it connects)"""
+    with socket.create_connection(("127.0.0.1", point.port)) as conn:
+        conn.recv(4)
+    time.sleep(0.2)
+    assert "its handshake ended unfinished (" in point.log.getvalue()
+    assert "secret" not in point.log.getvalue()
+    _client(point).set("still", b"serving")
 
 
 def test_torch_tcpstore_client_gets_nothing(point):
