@@ -274,8 +274,9 @@ def test_generation_config_values_no_user_means_are_ignored_with_a_warning(tmp_p
 LIMITED = """
 import atexit, resource, sys
 resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit}))
-atexit.register(lambda: open({rss_file!r}, "w").write(
-    str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)))
+# (VmHWM: this program's own peak; ru_maxrss would count the parent's memory before exec)
+atexit.register(lambda: open({rss_file!r}, "w").write(str(1024 * int(next(
+    line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM:"))))))
 from batchinfer.cli import main
 sys.argv = ["batchinfer", *sys.argv[1:]]
 main()
