@@ -7,6 +7,8 @@ permutes for its rotary layout put back, as transformers' load_gguf_checkpoint d
 """
 from __future__ import annotations
 
+import copy
+import functools
 import mmap
 import re
 import struct
@@ -202,7 +204,13 @@ def tensor_shapes(path: Path) -> Iterator[tuple[str, tuple[int, ...]]]:
 def check(path: Path) -> None:
     """Refuse, before anything loads, a file whose tensor table does not fit the file, or
     whose architecture, tensors or quantization types this engine cannot run: ValueError
-    naming what and where."""
+    naming what and where. (A file checked once is not read again while unchanged.)"""
+    _check(*_file_key(path))
+
+
+@functools.lru_cache(maxsize=16)
+def _check(name: str, size: int, mtime_ns: int) -> None:
+    path = Path(name)
     try:
         from gguf import GGMLQuantizationType, GGUFReader
         from gguf.quants import _type_traits
@@ -235,8 +243,27 @@ def hf_config(path: Path):
     llama.cpp stores it: a factor each frequency is divided by, which transformers drops)
     as `rope_freq_factors` for batchinfer.model.config."""
     check(path)
+    return copy.deepcopy(_hf_config(*_file_key(path)))
+
+
+def hf_tokenizer(path: Path):
+    """transformers' tokenizer of the file (a copy: the caller may change it)."""
+    return copy.deepcopy(_hf_tokenizer(*_file_key(path)))
+
+
+def _file_key(path: Path) -> tuple[str, int, int]:
+    stat = path.stat()
+    return str(path.resolve()), stat.st_size, stat.st_mtime_ns
+
+
+# transformers reads a GGUF file's whole metadata for each (the vocabulary's tokens and
+# merges among it): 6-13 s for SmolLM2's 49k tokens. A process reads a file once for each,
+# however many engines, jobs or checks ask; a file changed since is read again.
+@functools.lru_cache(maxsize=4)
+def _hf_config(name: str, size: int, mtime_ns: int):
     from gguf import GGUFReader
     from transformers import AutoConfig
+    path = Path(name)
     try:
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     except Exception as e:  # noqa: BLE001 (what transformers raises on a file's values varies)
@@ -249,8 +276,10 @@ def hf_config(path: Path):
     return config
 
 
-def hf_tokenizer(path: Path):
+@functools.lru_cache(maxsize=4)
+def _hf_tokenizer(name: str, size: int, mtime_ns: int):
     from transformers import AutoTokenizer
+    path = Path(name)
     return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 

@@ -4,8 +4,10 @@ NEON vector code rather than a scalar fallback. The vector extensions' 16-lane v
 become four 128-bit NEON registers each, as they become two 256-bit ones on AVX2."""
 from __future__ import annotations
 
+import os
 import re
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -42,9 +44,19 @@ def float_ops(compiler: str, source, arch: str, asm) -> tuple[int, int, str]:
     return len(VECTOR_OPS.findall(text)), len(SCALAR_OPS.findall(text)), done.stderr
 
 
+@pytest.fixture(scope="module")
+def compiled(cross_gcc, tmp_path_factory) -> dict:
+    """source -> float_ops, the sources compiled in parallel (the largest take seconds)."""
+    out = tmp_path_factory.mktemp("aarch64")
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        found = pool.map(lambda s: float_ops(cross_gcc, s, ARCH, out / (s.name + ".s")),
+                         build.SOURCES)
+        return dict(zip(build.SOURCES, found))
+
+
 @pytest.mark.parametrize("source", build.SOURCES, ids=lambda path: path.name)
-def test_each_kernel_compiles_for_aarch64_into_neon_code(cross_gcc, source, tmp_path):
-    vector, scalar, messages = float_ops(cross_gcc, source, ARCH, tmp_path / "kernel.s")
+def test_each_kernel_compiles_for_aarch64_into_neon_code(compiled, source):
+    vector, scalar, messages = compiled[source]
     assert "warning" not in messages, messages[-2000:]
     # (the scalar ones are tails and per-row sums; AVX2's share of them is larger still)
     assert vector >= 2 * scalar and vector > 0, (vector, scalar)
