@@ -58,6 +58,16 @@ class OutputProcessor:
             self._record_prompt_logprobs(req, first, rows)
             self.on_prompt_logprobs(req)
         stopped = []
+        if logprobs is None and not errors:
+            # the common step: _check_stop's answer for most tokens, without the call
+            for req, token in zip(sampled, tokens):
+                if (req.detokenizer is None and token not in req.stop_token_ids
+                        and len(req.token_ids) < req.length_limit):
+                    continue
+                status = self._check_stop(req, token)
+                if status is not None:
+                    stopped.append((req, status))
+            return stopped
         for i, (req, token) in enumerate(zip(sampled, tokens)):
             if req.logprobs is not None:
                 top_ids, values, rank = logprobs[i]

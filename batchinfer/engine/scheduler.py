@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from batchinfer.engine.kv_cache_manager import KVCacheManager
 from batchinfer.engine.request import Request, RequestStatus
@@ -80,6 +81,9 @@ class Scheduler:
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
         self.num_steps = 0
+        # the requests of the last plan that compute prompt tokens: those that sample
+        # with it get their first token (update_from_output)
+        self._prompting: list[Request] = []
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -91,6 +95,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         now = time.monotonic()
+        self._prompting = []
         budget, prompt_computed = self._schedule_running(out)
         while (self.waiting and budget > 0 and not out.preempted_req_ids
                and len(self.running) < self.max_num_seqs):
@@ -102,7 +107,9 @@ class Scheduler:
                 break
             self.waiting.popleft()
             req.num_computed_tokens = num_hit + n
-            prompt_computed += min(n, max(req.num_prompt_tokens - num_hit, 0))
+            if num_hit < req.num_prompt_tokens:
+                prompt_computed += min(n, req.num_prompt_tokens - num_hit)
+                self._prompting.append(req)
             if cached_logprobs is not None:
                 req.prompt_logprobs.extend(cached_logprobs)
             if req.num_cached_tokens < 0:
@@ -138,6 +145,7 @@ class Scheduler:
             for req, computed in zip(running, cached.num_computed_tokens):
                 req.num_computed_tokens = computed
             out.cached_requests, out.num_scheduled_tokens = CachedRequestData(), {}
+            self._prompting = []
             budget, prompt_computed, _ = self._plan_running(out, batched=False)
             return budget, prompt_computed
         new_block_ids = cached.new_block_ids
@@ -172,6 +180,7 @@ class Scheduler:
                 n = budget
             if computed < req.num_prompt_tokens:
                 prompt_computed += min(n, req.num_prompt_tokens - computed)
+                self._prompting.append(req)
             if computed + n <= req.kv_room:
                 block_ids = []  # the common decode step: room in its blocks (allocate's test)
                 req.num_computed_tokens = computed + n
@@ -201,16 +210,16 @@ class Scheduler:
         """After the step `plan` ran: each request in `req_ids` gets its sampled token
         (their computed tokens caught up with what was scheduled when it was planned).
         Returns those requests, in `req_ids` order."""
-        requests = self.requests
         self.num_steps += 1
         self.num_generated_tokens += len(token_ids)
-        now = time.monotonic()
-        sampled = list(map(requests.__getitem__, req_ids))
-        for req, token in zip(sampled, token_ids):
-            tokens = req.token_ids
-            if len(tokens) == req.num_prompt_tokens:  # its first output token
-                req.metrics.first_token_time = now
-            tokens.append(token)
+        sampled = list(map(self.requests.__getitem__, req_ids))
+        # one append per request, looped over in C: the step's largest per-request cost
+        deque(map(list.append, map(_token_ids, sampled), token_ids), maxlen=0)
+        if self._prompting:
+            now = time.monotonic()
+            for req in self._prompting:  # those that sampled now have their first token
+                if req.metrics.first_token_time is None and req.num_output_tokens > 0:
+                    req.metrics.first_token_time = now
         return sampled
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
@@ -233,3 +242,6 @@ class Scheduler:
         self.kv.free(req)
         self.finished_req_ids.add(req.request_id)
         del self.requests[req.request_id]
+
+
+_token_ids = attrgetter("token_ids")
