@@ -38,6 +38,8 @@ class EngineConfig:
     node_secret_file: str | None = None
     attention_backend: str = "auto"
     enforce_eager: bool = False  # CUDA: run decode steps eagerly, without CUDA graphs
+    # plan the next step while the current one runs (engine/engine.py); one process only
+    async_scheduling: bool = False
     device: str | None = None
     trust_remote_code: bool = False
     allow_pickle_weights: bool = False
@@ -81,6 +83,10 @@ class EngineConfig:
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError("generation_config must be 'auto', 'vllm' or a directory, got "
                              f"{self.generation_config!r}")
+        if self.async_scheduling and (self.tensor_parallel_size > 1
+                                      or self.pipeline_parallel_size > 1 or self.nnodes > 1):
+            raise ValueError("async_scheduling runs one engine process; drop it or "
+                             "tensor_parallel_size / pipeline_parallel_size / nnodes")
         if self.device is not None:
             check_device(self.device)
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -103,6 +103,9 @@ ENGINE_FLAGS = (
          "auto, torch or triton."),
     Flag("enforce_eager", ("--enforce-eager/--no-enforce-eager",),
          help="CUDA: run decode steps eagerly instead of replaying CUDA graphs."),
+    Flag("async_scheduling", ("--async-scheduling/--no-async-scheduling",),
+         help="Plan each step while the one before runs, so that the GPU does not wait for "
+              "the host (one process: not with tensor or pipeline parallelism)."),
     Flag("device", ("--device",), str, "cpu, cuda, cuda:1 ... (default: cuda when available)."),
     Flag("load_format", ("--load-format",), click.Choice(LOAD_FORMATS),
          "auto (the checkpoint's weights) or dummy (random weights of the model's shapes)."),

@@ -2,8 +2,9 @@
 # What a few minutes on one GPU should check, in one call (at most 8 minutes on an H100,
 # no network): the `gpu`-marked tests, the Triton kernel tests compiled for the GPU, then
 # `batchinfer bench` on Llama-3-8B's shape (random weights, TP=1, CUDA graphs) in bfloat16,
-# with --quantization fp8 and with --kv-cache-dtype fp8. Each section runs under `timeout`,
-# so one that hangs costs its own limit only (90 + 100 + 3 x 75 s, and 10 s each to kill). Everything lands in OUT (default
+# with --quantization fp8, with --kv-cache-dtype fp8 and with --async-scheduling. Each
+# section runs under `timeout`, so one that hangs costs its own limit only (90 + 100 +
+# 4 x 65 s, and 10 s each to kill). Everything lands in OUT (default
 # ./gpu-check-DATE); the report is OUT/gpu-check.json, whose path is printed last.
 #
 #   scripts/gpu-check.sh [OUT]
@@ -50,7 +51,7 @@ if [[ ${#dry[@]} -eq 0 ]]; then
 fi
 while IFS=$'\t' read -r name flags; do
     # shellcheck disable=SC2086  # the flags are words
-    section "bench-$name" 75 "$python" -c 'from batchinfer.cli import main; main()' \
+    section "bench-$name" 65 "$python" -c 'from batchinfer.cli import main; main()' \
         bench $flags --output-json "$out/bench-$name.json"
 done < <("$python" "$here/gpu_check.py" rows ${dry[@]+"${dry[@]}"})
 "$python" "$here/gpu_check.py" collect "$out" ${dry[@]+"${dry[@]}"}

@@ -24,7 +24,8 @@ WORKLOAD = ["--model", "llama3-8b", "--dtype", "bfloat16", "--num-prompts", "128
 # --dry: the same rows on the `tiny` shape on a CPU, for the tests of this script.
 DRY_WORKLOAD = ["--model", "tiny", "--dtype", "bfloat16", "--num-prompts", "4",
                 "--input-len", "32", "--output-len", "4", "--device", "cpu"]
-ROWS = {"bf16": [], "fp8": ["--quantization", "fp8"], "kv-fp8": ["--kv-cache-dtype", "fp8"]}
+ROWS = {"bf16": [], "fp8": ["--quantization", "fp8"], "kv-fp8": ["--kv-cache-dtype", "fp8"],
+        "bf16-async": ["--async-scheduling"]}
 TEST_SECTIONS = ("gpu-tests", "kernel-tests")
 TIMED_OUT = (124, 137)
 REPORT = "gpu-check.json"

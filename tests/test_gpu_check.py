@@ -67,7 +67,7 @@ def test_collected_report(tmp_path, monkeypatch):
     assert report["tests"]["kernel-tests"]["status"] == "ok"
     assert report["tests"]["kernel-tests"]["passed"] == 4
     bench_rows = report["bench"]
-    assert list(bench_rows) == ["bf16", "fp8", "kv-fp8"]
+    assert list(bench_rows) == ["bf16", "fp8", "kv-fp8", "bf16-async"]
     bf16 = bench_rows["bf16"]
     assert bf16["status"] == "ok" and bf16["flags"] == rows["bf16"]
     assert bf16["output_tokens_per_second"] > 0
@@ -78,6 +78,7 @@ def test_collected_report(tmp_path, monkeypatch):
     assert bench_rows["fp8"]["status"] == "timed out"
     assert bench_rows["fp8"]["output_tokens_per_second"] is None
     assert bench_rows["kv-fp8"]["status"] == "missing"
+    assert bench_rows["bf16-async"]["flags"][-1] == "--async-scheduling"
     table = report["table"]
     assert len(table) == 2 + len(bench_rows)
     assert table[2].startswith("| bf16 | ok | ") and table[3].startswith("| fp8 | timed out |")

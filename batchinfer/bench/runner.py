@@ -276,7 +276,7 @@ def run_overhead(opts: dict) -> dict:
             block_size=opts["block_size"], dtype=opts["dtype"], seed=opts["seed"],
             attention_backend=opts["attention_backend"],
             enable_prefix_caching=opts["enable_prefix_caching"], device=opts["device"],
-            sampling=_sampling(opts))
+            sampling=_sampling(opts), async_scheduling=opts["async_scheduling"])
         click.echo(result.line())
         results.append(vars(result))
     return {"mode": "model-stub", "model": opts["model"], "model_path": source.path,

@@ -121,10 +121,12 @@ class DecodeGraphs:
             self.graphs[b] = (graph, hidden)
         torch.cuda.synchronize()
 
-    def run(self, input_ids: list[int], positions: np.ndarray, slots: np.ndarray,
-            seq_lens: np.ndarray, block_tables: np.ndarray) -> torch.Tensor:
+    def run(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+            seq_lens: np.ndarray, block_tables: np.ndarray,
+            fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Hidden states [len(input_ids), hidden] of a decode batch of at most max_size
-        sequences; block_tables [n, <= max_blocks_per_seq] host rows."""
+        sequences; block_tables [n, <= max_blocks_per_seq] host rows. fill: (indices, ids)
+        of inputs that are on the device already (async scheduling's sampled tokens)."""
         n = len(input_ids)
         b = self.size_for(n)
         if self._copied is not None:
@@ -147,6 +149,8 @@ class DecodeGraphs:
         self.positions[:b].copy_(staged[:, 1])
         self.slot_mapping[:b].copy_(staged[:, 2])
         self.seq_lens[:b].copy_(staged[:, 3])
+        if fill is not None:
+            self.input_ids[fill[0]] = fill[1]
         if b in self.graphs:
             graph, hidden = self.graphs[b]
             graph.replay()

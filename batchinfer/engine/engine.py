@@ -13,7 +13,8 @@ from batchinfer.engine.chat import check_unicode, encode_prompts, render_chat_te
 from batchinfer.engine.detokenizer import IncrementalDetokenizer
 from batchinfer.engine.kv_cache_manager import KVCacheManager
 from batchinfer.engine.nodes import NodeGroup
-from batchinfer.engine.model_runner import CPU_DEFAULT_KV_BYTES, ModelRunner, RunnerOutput
+from batchinfer.engine.model_runner import (CPU_DEFAULT_KV_BYTES, DeferredOutput, ModelRunner,
+                                            RunnerOutput)
 from batchinfer.engine.output_processor import OutputProcessor
 from batchinfer.engine.request import Request, RequestStatus
 from batchinfer.engine.scheduler import Scheduler, SchedulerOutput
@@ -105,6 +106,12 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.output_processor = OutputProcessor(self.tokenizer, self.kv.share_prompt_logprobs)
         self._failed: list[RequestOutput] = []  # requests refused by add_request
+        # async scheduling: the step running (its plan, its output to come, and the ids of
+        # its requests that ended since it started, whose tokens from it are dropped)
+        self._running_step: tuple[SchedulerOutput, DeferredOutput, set[str]] | None = None
+        # the unfinished sample streams whose sampling reads their last token (structured
+        # outputs, penalties): while there is one, each step waits for the one before
+        self._needs_last_token: set[str] = set()
         # regexes, JSON schemas and grammars for this tokenizer (rank 0's alone with tensor
         # parallelism, as is sampling)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
@@ -170,6 +177,8 @@ class LLMEngine:
                     self.tokenizer, child_params.stop, child_params.skip_special_tokens,
                     child_params.include_stop_str_in_output)
             children.append(child)
+            if child_params.structured_outputs is not None or child_params.uses_penalties:
+                self._needs_last_token.add(child.request_id)
         self.output_processor.add(request_id, text, token_ids, children,
                                   (reasoning_parser, in_reasoning) if reasoning_parser else None)
         for child in children:
@@ -301,7 +310,7 @@ class LLMEngine:
         for request_id in request_ids:
             for child in self.output_processor.pop(request_id):
                 if not child.status.finished:
-                    self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
+                    self._finish(child, RequestStatus.FINISHED_ABORTED)
 
     def serve(self) -> None:
         """On a node other than node 0 of a multi-node engine (node_rank > 0): run the steps
@@ -327,25 +336,61 @@ class LLMEngine:
     # ---- the step --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one engine step (schedule, execute, update the scheduler, make outputs);
-        returns the requests that finished during it."""
+        returns the requests that finished during it. With async scheduling, a step plans
+        and starts the next model step, then takes the output of the one before (which
+        ran meanwhile on a GPU)."""
         finished, self._failed = self._failed, []
+        if self.config.async_scheduling:
+            return finished + self._step_async()
         if not self.scheduler.has_unfinished():
             return finished
         plan = self.scheduler.schedule()
-        result = self._execute(plan)
+        return finished + self._update(plan, self._execute(plan))
+
+    def _step_async(self) -> list[RequestOutput]:
+        before, self._running_step = self._running_step, None
+        if (self.scheduler.has_unfinished()
+                and (before is None or not self._needs_last_token)):
+            plan = self.scheduler.schedule()
+            if plan.total_num_scheduled_tokens:
+                self._running_step = (plan, self._execute(plan, defer=True), set())
+            elif before is None:  # (every request waits for a token, or nothing fits)
+                raise RuntimeError("the scheduler could not schedule any request")
+        finished = []
+        if before is not None:
+            plan, output, ended = before
+            finished = self._update(plan, _without(output.result(), ended))
+        if self._needs_last_token and self._running_step is not None:
+            plan, output, ended = self._running_step  # this step's sampling needs it
+            self._running_step = None
+            finished += self._update(plan, _without(output.result(), ended))
+        return finished
+
+    def _update(self, plan: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
+        """Bring the scheduler and the outputs up to a step's result; the requests that
+        finished with it."""
         sampled = self.scheduler.update_from_output(plan, result.req_ids, result.token_ids)
         stopped = self.output_processor.process(sampled, result, self.scheduler.requests)
+        finished = []
         for req, status in stopped:
-            self.scheduler.finish(req, status)
+            self._finish(req, status)
             output = self.output_processor.finish(req)
             if output is not None:
                 finished.append(output)
         return finished
 
-    def _execute(self, plan: SchedulerOutput) -> RunnerOutput:
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        self.scheduler.finish(req, status)
+        self._needs_last_token.discard(req.request_id)
+        if self._running_step is not None:  # its token from the running step is dropped
+            self._running_step[2].add(req.request_id)
+
+    def _execute(self, plan: SchedulerOutput, defer: bool = False) -> RunnerOutput | DeferredOutput:
         if plan.total_num_scheduled_tokens == 0:
             raise RuntimeError("the scheduler could not schedule any request")
         try:
+            if defer:
+                return self.model_runner.execute(plan, defer=True)
             return self.model_runner.execute(plan)
         except BaseException as e:
             if self.tensor_parallel is None:
@@ -409,6 +454,20 @@ class LLMEngine:
                                 chat_template=chat_template,
                                 chat_template_kwargs=chat_template_kwargs,
                                 continue_final_message=continue_final_message, tools=tools)
+
+
+def _without(result: RunnerOutput, req_ids: set[str]) -> RunnerOutput:
+    """result less what it holds for req_ids (requests that ended while it was computed)."""
+    if not req_ids:
+        return result
+    keep = [i for i, r in enumerate(result.req_ids) if r not in req_ids]
+    return RunnerOutput(
+        [result.req_ids[i] for i in keep], [result.token_ids[i] for i in keep],
+        [result.logprobs[i] for i in keep] if result.logprobs is not None else None,
+        {r: v for r, v in result.prompt_logprobs.items() if r not in req_ids}
+        if result.prompt_logprobs else result.prompt_logprobs,
+        {r: v for r, v in result.errors.items() if r not in req_ids}
+        if result.errors else result.errors)
 
 
 def _eos_token_ids(path, model_config: ModelConfig, tokenizer) -> frozenset[int]:

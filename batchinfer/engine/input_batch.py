@@ -70,6 +70,9 @@ class InputBatch:
         self.num_needing_sampler = 0
         self.structured = np.zeros(max_num_reqs, dtype=bool)  # a structured output's rows
         self.num_structured = 0
+        # how many requests each row has held: a deferred step's tokens go only to rows
+        # still held by the requests that sampled them
+        self.row_epoch = np.zeros(max_num_reqs, dtype=np.int64)
         self.req_ids: list[str | None] = [None] * max_num_reqs
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
@@ -83,6 +86,7 @@ class InputBatch:
             needs_sampler: bool, structured: bool) -> int:
         """Give a request a row holding its tokens so far and its blocks; returns the row."""
         row = self._free_rows.pop()
+        self.row_epoch[row] += 1
         n = len(token_ids)
         self._reserve(n)
         self.token_ids[row, :n] = token_ids

@@ -191,8 +191,10 @@ class KVCacheManager:
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_full: int) -> int:
         """Register the request's full blocks up to num_full; returns how many it has
-        registered."""
+        registered: at most the blocks its known tokens fill (with async scheduling, the
+        last may hold a sampled token whose value is still on its way)."""
         start = self.num_cached_blocks.get(request.request_id, 0)
+        num_full = min(num_full, len(request.token_ids) // self.block_size)
         if num_full <= start:
             return start
         hashes = self._hashes(request, num_full)

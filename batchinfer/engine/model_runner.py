@@ -38,6 +38,8 @@ from batchinfer.structured.choice import ChoiceTrie
 from batchinfer.structured.grammar import GrammarMatcher, MaskExecutor
 
 CPU_DEFAULT_KV_BYTES = 4 << 30
+# a batch row's token sampled by a deferred step, until DeferredOutput.result() brings it
+PLACEHOLDER = -1
 
 
 @dataclass
@@ -148,6 +150,10 @@ class ModelRunner:
         self._mask_buffer: np.ndarray | None = None
         self.graphs: DecodeGraphs | None = None
         self.num_graph_steps = 0
+        # async scheduling: the last deferred step's sampled tokens, on the device, and the
+        # index there of each batch row's token; the rows hold PLACEHOLDER until they come
+        self._last_tokens: torch.Tensor | None = None
+        self._sampled_index = np.zeros(config.max_num_seqs, dtype=np.int64)
         if PipelineParallel.size == 1 and captures_decode_graphs(
                 device, config.enforce_eager, self.backend.name, self.model.graph_safe):
             TensorParallel.warm_up(device)  # NCCL's communicator exists before capture
@@ -271,10 +277,10 @@ class ModelRunner:
         slots = self._slots(block_tables, num_new, positions)
         dev = self.device
         return AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(block_tables).to(dev),
+            slot_mapping=self._to_device(slots),
+            query_start_loc=self._to_device(qsl.astype(np.int32)),
+            seq_lens=self._to_device(seq_lens.astype(np.int32)),
+            block_tables=self._to_device(block_tables),
             max_query_len=int(num_new.max()), max_seq_len=int(seq_lens.max()),
             num_decode_seqs=num_decodes, block_size=self.block_size,
             max_decode_seq_len=int(seq_lens[:num_decodes].max()) if num_decodes else None,
@@ -284,9 +290,13 @@ class ModelRunner:
     # ---- the step --------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput,
-                sampled: tuple[list[str], list[int]] = ((), ())) -> RunnerOutput:
+                sampled: tuple[list[str], list[int]] = ((), ()),
+                defer: bool = False) -> RunnerOutput | DeferredOutput:
         """Run the plan. `sampled`: on a rank that does not sample, the (request ids,
-        tokens) rank 0 sampled in the step before, which are this step's inputs."""
+        tokens) rank 0 sampled in the step before, which are this step's inputs.
+        defer (async scheduling, one process): leave the sampled tokens on the device and
+        return a DeferredOutput, whose result() brings them; the next step may run before
+        it, its inputs taking those tokens on the device."""
         if self.plan_sink is not None:  # (a node's first rank passes on what node 0 sent)
             self.plan_sink(plan, self.unsent_tokens if self.samples else sampled)
             self.unsent_tokens = ([], [])
@@ -302,11 +312,12 @@ class ModelRunner:
             self.kv_pages.cover(int(block_tables.max()))
         # the structured outputs' masks, computed on a thread while the model runs
         masks = self._masks_ahead(step) if self.samples else None
+        fill = self._placeholder_inputs(step)
         graphs = self.graphs
         if graphs is not None and step.num_decodes == len(num_new) <= graphs.max_size:
             hidden = graphs.run(step.input_ids, positions,
                                 self._slots(block_tables, num_new, positions), starts + 1,
-                                block_tables)
+                                block_tables, fill)
             self.num_graph_steps += 1
         elif PipelineParallel.size > 1:
             hidden = self._stage_forward(step.input_ids, starts, num_new, qsl, positions,
@@ -318,16 +329,45 @@ class ModelRunner:
         else:
             meta = self._metadata(starts, num_new, qsl, positions, block_tables,
                                   step.num_decodes)
-            ids_t = torch.from_numpy(step.input_ids).to(self.device)
-            pos_t = torch.from_numpy(positions).to(self.device)
+            ids_t = self._to_device(step.input_ids)
+            if fill is not None:
+                ids_t[fill[0]] = fill[1]
+            pos_t = self._to_device(positions)
             hidden = self.model(ids_t, pos_t, meta, self.kv_caches)
-        out = self._sample(hidden, step, masks)
+        out = self._sample(hidden, step, masks, defer)
+        if defer:
+            return out if isinstance(out, DeferredOutput) else DeferredOutput.ready(out)
         if PipelineParallel.size > 1:
             shared = pipeline.share_output(out if self.samples else None)
             if not self.samples:  # another rank of the last stage
                 self._append_sampled(shared.req_ids, shared.token_ids)
                 out = shared
         return out
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A host array on the runner's device. On a GPU it is copied from pinned memory
+        without waiting: a plain copy would first wait for every step queued before it,
+        which async scheduling has not waited for."""
+        tensor = torch.from_numpy(array)
+        if self.device.type == "cpu":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+    def _placeholder_inputs(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(token indices, their ids on the device) of the step's inputs that are tokens the
+        deferred step before sampled (PLACEHOLDER in the rows); None where there are none.
+        Only a decode reads such a token: its sequence's one token."""
+        if self._last_tokens is None:
+            return None
+        missing = np.flatnonzero(step.input_ids == PLACEHOLDER)
+        if len(missing) == 0:
+            return None
+        if missing[-1] >= step.num_decodes:
+            raise RuntimeError("a step's input is a token still being sampled, outside a decode")
+        index = self._sampled_index[step.rows[missing]]
+        dev = self.device
+        return (self._to_device(missing),
+                self._last_tokens[self._to_device(index)])
 
     def _append_sampled(self, req_ids: list[str], tokens: list[int]) -> None:
         """The tokens another rank sampled, appended to this rank's rows of the requests."""
@@ -349,7 +389,7 @@ class ModelRunner:
             meta = self._metadata(starts[a:b], num_new[a:b], qsl[a:b + 1] - qsl[a],
                                   positions[t0:t1], tables, max(0, min(b, num_decodes) - a))
             ids_t = torch.tensor(input_ids[t0:t1], dtype=torch.long, device=self.device)
-            pos_t = torch.from_numpy(positions[t0:t1]).to(self.device)
+            pos_t = self._to_device(positions[t0:t1])
             intermediate = None
             if not PipelineParallel.is_first():
                 intermediate = pipeline.receive(t1 - t0, self.model.config.hidden_size,
@@ -408,10 +448,11 @@ class ModelRunner:
             self._mask_buffer = np.empty((max(n, 8), words), dtype=np.int32)
         return self._mask_buffer[:n]
 
-    def _sample(self, hidden: torch.Tensor, step: StepInputs,
-                masks: Future | None = None) -> RunnerOutput:
+    def _sample(self, hidden: torch.Tensor, step: StepInputs, masks: Future | None = None,
+                defer: bool = False) -> RunnerOutput | DeferredOutput:
         """The step's sampled tokens (and prompt logprobs) from its final hidden states;
-        the tokens are appended to their rows."""
+        the tokens are appended to their rows (defer: PLACEHOLDERs are, and the
+        DeferredOutput's result() writes the tokens over them)."""
         prompt_logprobs = None
         if self.scoring:  # a one-token prompt chunk is among the decodes: all are looked at
             prompt_logprobs = self._prompt_logprobs(hidden, step) or None
@@ -419,8 +460,7 @@ class ModelRunner:
         if len(sample_idx) == 0:
             return RunnerOutput([], [], prompt_logprobs=prompt_logprobs)
         if len(sample_idx) < hidden.shape[0]:
-            hidden = hidden[torch.from_numpy(step.query_start_loc[sample_idx + 1] - 1)
-                            .to(self.device)]
+            hidden = hidden[self._to_device(step.query_start_loc[sample_idx + 1] - 1)]
         if not self.samples:  # this rank's part of the vocabulary, for rank 0 to sample from
             self.model.compute_logits(hidden, float32=False)
             return RunnerOutput([], [], prompt_logprobs=prompt_logprobs)
@@ -437,8 +477,19 @@ class ModelRunner:
         logits = self.model.compute_logits(
             hidden, float32=not self.sampler.takes_model_dtype(sampling, hidden.device))
         sampled = self.sampler(logits, sampling)
+        if defer:
+            columns = batch.num_tokens[rows]
+            batch.append_tokens(rows, np.full(len(rows), PLACEHOLDER, dtype=np.int32))
+            self._sampled_index[rows] = np.arange(len(rows))
+            self._last_tokens = sampled.token_ids
+            return DeferredOutput(self, sample_ids, rows, columns, batch.row_epoch[rows],
+                                  sampled, prompt_logprobs)
         token_array = sampled.token_ids.cpu().numpy()
         batch.append_tokens(rows, token_array)
+        return self._output(sample_ids, token_array, sampled, prompt_logprobs, masks)
+
+    def _output(self, sample_ids: list[str], token_array: np.ndarray, sampled,
+                prompt_logprobs: dict | None, masks: Future | None = None) -> RunnerOutput:
         tokens = token_array.tolist()
         if self.plan_sink is not None and PipelineParallel.size == 1:  # (else: shared)
             self.unsent_tokens = (sample_ids, tokens)
@@ -541,15 +592,60 @@ class ModelRunner:
                                       for r in row_list]
             batch.output_token_ids = [rows_in.output_tokens(r) for r in row_list]
         if not all_greedy:
-            batch.temperature = torch.from_numpy(rows_in.temperature[rows]).to(dev)
+            batch.temperature = self._to_device(rows_in.temperature[rows])
             top_k, top_p, min_p = (rows_in.top_k[rows], rows_in.top_p[rows],
                                    rows_in.min_p[rows])
             if (top_k > 0).any():
-                batch.top_k = torch.from_numpy(top_k).to(dev)
+                batch.top_k = self._to_device(top_k)
             if (top_p < 1.0).any():
-                batch.top_p = torch.from_numpy(top_p).to(dev)
+                batch.top_p = self._to_device(top_p)
             if (min_p > 0).any():
-                batch.min_p = torch.from_numpy(min_p).to(dev)
+                batch.min_p = self._to_device(min_p)
             gens = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
             batch.generators = gens or None
         return batch
+
+
+class DeferredOutput:
+    """A step's output whose sampled tokens are still on the device (async scheduling).
+    result() waits for them, writes them over the PLACEHOLDERs of the rows still held by
+    the requests that sampled them, and returns the RunnerOutput."""
+
+    def __init__(self, runner: ModelRunner, sample_ids: list[str], rows: np.ndarray,
+                 columns: np.ndarray, epochs: np.ndarray, sampled, prompt_logprobs):
+        self._runner = runner
+        self._sample_ids = sample_ids
+        self._rows, self._columns, self._epochs = rows, columns, epochs
+        self._sampled = sampled
+        self._prompt_logprobs = prompt_logprobs
+        self._out: RunnerOutput | None = None
+        self._host: torch.Tensor | None = None
+        if sampled.token_ids.device.type == "cuda":  # the copy queued behind the step
+            self._host = torch.empty(sampled.token_ids.shape, dtype=sampled.token_ids.dtype,
+                                     pin_memory=True)
+            self._host.copy_(sampled.token_ids, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    @classmethod
+    def ready(cls, out: RunnerOutput) -> DeferredOutput:
+        """A step that sampled nothing: its output is known already."""
+        deferred = cls.__new__(cls)
+        deferred._out = out
+        return deferred
+
+    def result(self) -> RunnerOutput:
+        if self._out is not None:
+            return self._out
+        if self._host is not None:
+            self._copied.synchronize()
+            token_array = self._host.numpy()
+        else:
+            token_array = self._sampled.token_ids.numpy()
+        batch = self._runner.input_batch
+        held = batch.row_epoch[self._rows] == self._epochs
+        batch.token_ids[self._rows[held], self._columns[held]] = token_array[held]
+        self._out = self._runner._output(self._sample_ids, token_array, self._sampled,
+                                         self._prompt_logprobs)
+        self._runner = self._sampled = None
+        return self._out

@@ -9,7 +9,11 @@ preempts the most recently admitted running request: its blocks are freed and it
 recomputed later (its prefix is usually still cached).
 
 As in vLLM V1, a request's computed tokens count its scheduled ones as soon as they are
-scheduled: by the time the next plan is made, the one before has run.
+scheduled: by the time the next plan is made, the one before has run. With async
+scheduling the next plan is made while the one before runs, and a request that samples in
+it has computed all its known tokens: its next one is on its way, and is scheduled as a
+placeholder (its value unknown until update_from_output brings it), unless it reaches the
+request's length limit.
 """
 from __future__ import annotations
 
@@ -81,9 +85,11 @@ class Scheduler:
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
         self.num_steps = 0
-        # the requests of the last plan that compute prompt tokens: those that sample
-        # with it get their first token (update_from_output)
+        # the requests of the plan being made that compute prompt tokens: those that sample
+        # with it get their first token (update_from_output); then, per plan not yet
+        # updated from its output, its list (one plan, or two with async scheduling)
         self._prompting: list[Request] = []
+        self._plans_prompting: deque[tuple[SchedulerOutput, list[Request]]] = deque()
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -126,6 +132,7 @@ class Scheduler:
         self.num_prompt_tokens_computed += prompt_computed
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
+        self._plans_prompting.append((out, self._prompting))
         return out
 
     def _schedule_running(self, out: SchedulerOutput) -> tuple[int, int]:
@@ -137,13 +144,13 @@ class Scheduler:
         budget, prompt_computed, boundary = self._plan_running(out, batched=True)
         if not boundary:
             return budget, prompt_computed
-        running, cached = self.running, out.cached_requests
-        requests = [running[i] for i in boundary]  # nothing preempted: plan order
-        counts = [out.num_scheduled_tokens[r.request_id] for r in requests]
+        cached, by_id, scheduled = out.cached_requests, self.requests, out.num_scheduled_tokens
+        requests = [by_id[cached.req_ids[i]] for i in boundary]
+        counts = [scheduled[r.request_id] for r in requests]
         block_ids = self.kv.allocate_slots_running(requests, counts)
         if block_ids is None:
-            for req, computed in zip(running, cached.num_computed_tokens):
-                req.num_computed_tokens = computed
+            for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
+                by_id[req_id].num_computed_tokens = computed
             out.cached_requests, out.num_scheduled_tokens = CachedRequestData(), {}
             self._prompting = []
             budget, prompt_computed, _ = self._plan_running(out, batched=False)
@@ -175,7 +182,12 @@ class Scheduler:
             if budget <= 0:
                 break
             computed = req.num_computed_tokens
-            n = len(req.token_ids) - computed
+            total = len(req.token_ids)
+            if computed == total:  # (async scheduling) a token on its way
+                total += 1
+                if total >= req.length_limit:
+                    continue  # its last
+            n = total - computed
             if n > budget:
                 n = budget
             if computed < req.num_prompt_tokens:
@@ -215,9 +227,13 @@ class Scheduler:
         sampled = list(map(self.requests.__getitem__, req_ids))
         # one append per request, looped over in C: the step's largest per-request cost
         deque(map(list.append, map(_token_ids, sampled), token_ids), maxlen=0)
-        if self._prompting:
+        plans = self._plans_prompting
+        while plans and plans[0][0] is not plan:  # a plan whose step failed
+            plans.popleft()
+        prompting = plans.popleft()[1] if plans else ()
+        if prompting:
             now = time.monotonic()
-            for req in self._prompting:  # those that sampled now have their first token
+            for req in prompting:  # those that sampled now have their first token
                 if req.metrics.first_token_time is None and req.num_output_tokens > 0:
                     req.metrics.first_token_time = now
         return sampled

@@ -88,6 +88,7 @@ class JobOptions:
     tensor_parallel_size: int | None = None
     attention_backend: str | None = None
     enforce_eager: bool | None = None
+    async_scheduling: bool | None = None
     load_format: str | None = None
     pipeline_parallel_size: int | None = None
     nnodes: int | None = None

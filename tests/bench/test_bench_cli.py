@@ -269,8 +269,21 @@ def test_model_stub_reports_ms_per_step(cache_dir):
     line = (r"^Engine overhead: \d+ seqs x 40 context \(mean \d+ at the end\): host [\d.]+ "
             r"\+ device stand-in [\d.]+ = [\d.]+ ms wall/step, host [\d.]+ \+ device stand-in "
             r"[\d.]+ = [\d.]+ ms CPU/step \(means of 4 decode steps; medians [\d.]+ \+ [\d.]+ "
-            r"wall, [\d.]+ \+ [\d.]+ CPU\)$")
+            r"wall, [\d.]+ \+ [\d.]+ CPU\); a device would wait [\d.]+ ms/step$")
     assert len(re.findall(line, out, re.M)) == 2
+    for r in summary["overhead"]:  # planned after the step before: the device waits it all
+        assert not r["async_scheduling"]
+        assert r["device_wait_ms_per_step"] == pytest.approx(r["host_ms_per_step"])
+
+
+def test_model_stub_with_async_scheduling_reports_the_wait_it_leaves(cache_dir):
+    out, summary = run_bench(cache_dir, "--model-stub", "--num-seqs", "4",
+                             "--context-len", "40", "--stub-steps", "6", "--async-scheduling")
+    (r,) = summary["overhead"]
+    assert r["async_scheduling"] and r["steps"] == 6
+    # what of a step's host time the device work of the step before does not cover
+    assert 0 <= r["device_wait_ms_per_step"] <= r["host_ms_per_step"]
+    assert re.search(r"a device would wait [\d.]+ ms/step \(async scheduling\)$", out, re.M)
 
 
 def test_model_stub_times_the_device_work_apart():

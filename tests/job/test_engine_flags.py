@@ -57,3 +57,27 @@ def test_quantization_flag(tmp_path, run_cli, llama_dir):
     awq = run_cli(path, "-o", tmp_path / "out3", "--model", fp8_model)
     assert awq.exit_code == 2 and "quant_method 'awq'" in awq.output, awq.output
     assert run_cli(path, "-o", tmp_path / "out4", "-q", "int4").exit_code == 2
+
+
+def test_async_scheduling_job_writes_what_the_job_without_it_writes(tmp_path, run_cli):
+    import pyarrow.dataset as ds
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps({"id": f"r{i}", "prompt": f"row {i} " * (1 + i % 5)})
+                            + "\n" for i in range(12)))
+    tables = []
+    for flags in ([], ["--async-scheduling"]):
+        out = tmp_path / ("async" if flags else "sync")
+        result = run_cli(path, "-o", out, "--temperature", "0", "--max-tokens", "7", *flags)
+        assert result.exit_code == 0, result.output
+        rows = ds.dataset(out, format="parquet").to_table().to_pylist()
+        tables.append(sorted((r["id"], r["completion"], r["finish_reason"]) for r in rows))
+    assert tables[0] == tables[1] and len(tables[0]) == 12
+
+
+def test_async_scheduling_with_tensor_parallelism_exits_before_the_model_loads(tmp_path, run_cli):
+    path = tmp_path / "in.jsonl"
+    path.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    result = run_cli(path, "-o", tmp_path / "out", "--async-scheduling",
+                     "--tensor-parallel-size", "2")
+    assert result.exit_code == 2
+    assert "--async-scheduling runs one engine process" in result.output, result.output

@@ -1,0 +1,160 @@
+"""Async scheduling: the next step is planned and started before the one before's tokens
+are read, with the tokens, stops, logprobs and prefix-cache hits of the engine that waits."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchinfer.config import EngineConfig
+from batchinfer.engine import engine as engine_module
+from batchinfer.engine.engine import LLMEngine
+from batchinfer.engine.model_runner import DeferredOutput
+from batchinfer.sampling_params import SamplingParams, StructuredOutputsParams
+
+
+def _run(model, requests, **engine_kwargs):
+    engine = LLMEngine.from_kwargs(str(model), seed=0, **engine_kwargs)
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(f"r{i}", prompt, params)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out
+    return engine, [outputs[f"r{i}"] for i in range(len(requests))]
+
+
+def _view(out):
+    return (out.error, out.num_cached_tokens,
+            [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in out.outputs])
+
+
+def _prompts(n: int, shared: int = 0) -> list[list[int]]:
+    head = [(11 * j) % 500 + 7 for j in range(shared)]
+    return [head + [(7 * i + 3 * j) % 700 + 20 for j in range(3 + 9 * i)] for i in range(n)]
+
+
+def _compare(model, requests, **engine_kwargs):
+    sync_engine, expected = _run(model, requests, **engine_kwargs)
+    async_engine, got = _run(model, requests, async_scheduling=True, **engine_kwargs)
+    assert [_view(o) for o in got] == [_view(o) for o in expected]
+    return sync_engine, async_engine, expected, got
+
+
+def test_mixed_lengths_length_stops_and_chunked_prefill(llama_dir):
+    requests = [(p, SamplingParams(temperature=0, max_tokens=1 + 4 * (i % 5), ignore_eos=True))
+                for i, p in enumerate(_prompts(14))]
+    _compare(llama_dir, requests, max_num_seqs=6, max_num_batched_tokens=40)
+
+
+def test_stop_tokens_and_stop_strings_end_requests_a_step_late_and_lose_nothing(llama_dir):
+    _, free = _run(llama_dir, [(p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+                                for p in _prompts(8)])
+    # stop on tokens and texts the model does produce, at different steps per request
+    requests = []
+    for i, (p, out) in enumerate(zip(_prompts(8), free)):
+        ids, text = out.outputs[0].token_ids, out.outputs[0].text
+        if i % 2:
+            requests.append((p, SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[ids[2 + i]])))
+        else:
+            requests.append((p, SamplingParams(temperature=0, max_tokens=24, stop=[text[5 + i:8 + i]])))
+    _, _, expected, _ = _compare(llama_dir, requests, max_num_seqs=8)
+    assert {o.outputs[0].finish_reason for o in expected} == {"stop"}
+
+
+def test_preemption_in_a_small_pool(llama_dir):
+    requests = [(p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)) for p in _prompts(8)]
+    sync_engine, async_engine, _, _ = _compare(llama_dir, requests, num_kv_blocks=14,
+                                               max_num_seqs=8, block_size=8)
+    assert sync_engine.stats()["num_preemptions"] > 0
+    assert async_engine.stats()["num_preemptions"] > 0
+
+
+def test_prefix_cache_registers_blocks_that_sampled_tokens_fill(llama_dir):
+    """A second request whose prompt is the first's prompt and output reads the blocks the
+    output filled, registered once their tokens came back."""
+    prompt = _prompts(1)[0]
+    first = (prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    for async_scheduling in (False, True):
+        engine, (out,) = _run(llama_dir, [first], block_size=8,
+                              async_scheduling=async_scheduling)
+        follow = prompt + out.outputs[0].token_ids + [5]
+        engine.add_request("next", follow, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        hits = None
+        while engine.has_unfinished_requests():
+            for done in engine.step():
+                hits = done.num_cached_tokens
+        assert hits == (len(follow) - 1) // 8 * 8, async_scheduling
+
+
+def test_sampling_seeds_logprobs_and_samples_of_one_prompt(llama_dir):
+    requests = [(p, SamplingParams(max_tokens=9, temperature=0.8, seed=i, n=2, logprobs=3,
+                                   ignore_eos=True))
+                for i, p in enumerate(_prompts(5, shared=24))]
+    _, _, expected, got = _compare(llama_dir, requests, max_num_seqs=4)
+    for a, b in zip(expected, got):
+        for x, y in zip(a.outputs, b.outputs):
+            assert x.cumulative_logprob == pytest.approx(y.cumulative_logprob, abs=1e-5)
+
+
+def _order(monkeypatch) -> list[str]:
+    log: list[str] = []
+    schedule = engine_module.Scheduler.schedule
+    result = DeferredOutput.result
+
+    def logged_schedule(self):
+        log.append("plan")
+        return schedule(self)
+
+    def logged_result(self):
+        log.append("tokens")
+        return result(self)
+
+    monkeypatch.setattr(engine_module.Scheduler, "schedule", logged_schedule)
+    monkeypatch.setattr(DeferredOutput, "result", logged_result)
+    return log
+
+
+def test_the_next_step_is_planned_before_the_last_ones_tokens_are_read(llama_dir, monkeypatch):
+    log = _order(monkeypatch)
+    _run(llama_dir, [(_prompts(1)[0], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))],
+         async_scheduling=True)
+    # prefill + 4 decodes, each planned before the step before it is read; the last plan
+    # is empty: the request's last token is on its way, and nothing is computed after it
+    assert log == ["plan", "plan", "tokens", "plan", "tokens", "plan", "tokens", "plan",
+                   "tokens", "plan", "tokens"]
+
+
+def test_requests_whose_sampling_reads_their_last_token_wait_for_it(llama_dir, monkeypatch):
+    """A structured output's mask and a penalty read the token sampled before: with such a
+    request unfinished each step is read before the next is planned, and the tokens are
+    those of the engine that always waits."""
+    prompts = _prompts(4)
+    requests = [
+        (prompts[0], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)),
+        (prompts[1], SamplingParams(temperature=0, max_tokens=6, structured_outputs=StructuredOutputsParams(
+            choice=["alpha", "beta gamma"]))),
+        (prompts[2], SamplingParams(temperature=0, max_tokens=6, repetition_penalty=1.3, ignore_eos=True)),
+        (prompts[3], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)),
+    ]
+    _compare(llama_dir, requests)
+    log = _order(monkeypatch)
+    _run(llama_dir, requests, async_scheduling=True)
+    assert "plan" in log and all(a != b for a, b in zip(log, log[1:]))  # plan, read, plan, ...
+
+
+def test_async_scheduling_is_refused_with_parallelism():
+    for kwargs in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}, {"nnodes": 2}):
+        with pytest.raises(ValueError, match="async_scheduling runs one engine process"):
+            EngineConfig(model="m", async_scheduling=True, **kwargs)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_with_cuda_graphs_and_eager_steps(llama_dir):
+    """Inputs taken on the device from the step before, replayed in CUDA graphs (decodes)
+    and run eagerly (prompt steps): the tokens of the engine that waits."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    requests = [(p, SamplingParams(temperature=0, max_tokens=12 + i, ignore_eos=True))
+                for i, p in enumerate(_prompts(10))]
+    for eager in (False, True):
+        _compare(llama_dir, requests, device="cuda", max_num_seqs=6, enforce_eager=eager)
