@@ -356,6 +356,8 @@ class LLMEngine:
                 self._running_step = (plan, self._execute(plan, defer=True), set())
             elif before is None:  # (every request waits for a token, or nothing fits)
                 raise RuntimeError("the scheduler could not schedule any request")
+            else:  # every request's next token is on its way: only what ended is told
+                self.model_runner.update_states(plan)
         finished = []
         if before is not None:
             plan, output, ended = before

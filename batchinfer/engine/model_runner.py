@@ -287,6 +287,11 @@ class ModelRunner:
             query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist(),
             block_tables_cpu=block_tables)
 
+    def update_states(self, plan: SchedulerOutput) -> None:
+        """Take a plan that computes nothing (async scheduling: its requests' next tokens
+        are on their way) for its finished and preempted requests."""
+        self._update_states(plan)
+
     # ---- the step --------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput,
@@ -483,7 +488,7 @@ class ModelRunner:
             self._sampled_index[rows] = np.arange(len(rows))
             self._last_tokens = sampled.token_ids
             return DeferredOutput(self, sample_ids, rows, columns, batch.row_epoch[rows],
-                                  sampled, prompt_logprobs)
+                                  sampled, prompt_logprobs, masks)
         token_array = sampled.token_ids.cpu().numpy()
         batch.append_tokens(rows, token_array)
         return self._output(sample_ids, token_array, sampled, prompt_logprobs, masks)
@@ -579,7 +584,9 @@ class ModelRunner:
         batch = SamplingBatch(
             all_greedy=all_greedy,
             max_num_logprobs=max(need_logprobs) if need_logprobs else None,
-            blocked=(blocked_rows, blocked_ids) if blocked_rows else None)
+            blocked=(self._to_device(np.asarray(blocked_rows, dtype=np.int64)),
+                     self._to_device(np.asarray(blocked_ids, dtype=np.int64)))
+            if blocked_rows else None)
         if any(p.constrained for p in params):
             batch.allowed, batch.bias = self._constraints(states)
         dev = self.device
@@ -612,8 +619,10 @@ class DeferredOutput:
     the requests that sampled them, and returns the RunnerOutput."""
 
     def __init__(self, runner: ModelRunner, sample_ids: list[str], rows: np.ndarray,
-                 columns: np.ndarray, epochs: np.ndarray, sampled, prompt_logprobs):
+                 columns: np.ndarray, epochs: np.ndarray, sampled, prompt_logprobs,
+                 masks: Future | None):
         self._runner = runner
+        self._masks = masks  # the structured outputs' (their errors are read with the tokens)
         self._sample_ids = sample_ids
         self._rows, self._columns, self._epochs = rows, columns, epochs
         self._sampled = sampled
@@ -646,6 +655,6 @@ class DeferredOutput:
         held = batch.row_epoch[self._rows] == self._epochs
         batch.token_ids[self._rows[held], self._columns[held]] = token_array[held]
         self._out = self._runner._output(self._sample_ids, token_array, self._sampled,
-                                         self._prompt_logprobs)
-        self._runner = self._sampled = None
+                                         self._prompt_logprobs, self._masks)
+        self._runner = self._sampled = self._masks = None
         return self._out

@@ -36,7 +36,7 @@ class SamplingBatch:
     prompt_token_ids: list[list[int]] | None = None
     output_token_ids: list[list[int]] | None = None
     # (rows, token ids) whose logits are -inf this step (min_tokens not yet reached)
-    blocked: tuple[list[int], list[int]] | None = None
+    blocked: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids), int64
     # (rows, token ids): in these rows only the listed tokens may be sampled
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None
     # (rows, token ids, values) added to the logits (logit_bias)

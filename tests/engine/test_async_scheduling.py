@@ -20,6 +20,11 @@ def _run(model, requests, **engine_kwargs):
     while engine.has_unfinished_requests():
         for out in engine.step():
             outputs[out.request_id] = out
+    # every request's batch row and runner state freed, or to be with the next plan (those
+    # that ended in the last step), also where a request ended while the others' last
+    # tokens were on their way (a plan that computes nothing, which tells the runner)
+    runner, told_next = engine.model_runner, engine.scheduler.finished_req_ids
+    assert set(runner.input_batch.row_of) <= told_next and set(runner.requests) <= told_next
     return engine, [outputs[f"r{i}"] for i in range(len(requests))]
 
 
@@ -59,6 +64,15 @@ def test_stop_tokens_and_stop_strings_end_requests_a_step_late_and_lose_nothing(
             requests.append((p, SamplingParams(temperature=0, max_tokens=24, stop=[text[5 + i:8 + i]])))
     _, _, expected, _ = _compare(llama_dir, requests, max_num_seqs=8)
     assert {o.outputs[0].finish_reason for o in expected} == {"stop"}
+
+
+def test_requests_ending_one_step_apart(llama_dir):
+    """The last plan computes nothing (the last request's last token is on its way) and
+    tells the runner of the request that ended just before."""
+    prompt = _prompts(2)[1]
+    requests = [(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+                for n in (2, 3)]
+    _compare(llama_dir, requests)
 
 
 def test_preemption_in_a_small_pool(llama_dir):
@@ -140,6 +154,21 @@ def test_requests_whose_sampling_reads_their_last_token_wait_for_it(llama_dir, m
     log = _order(monkeypatch)
     _run(llama_dir, requests, async_scheduling=True)
     assert "plan" in log and all(a != b for a, b in zip(log, log[1:]))  # plan, read, plan, ...
+
+
+def test_a_structured_output_that_cannot_go_on_ends_in_its_error(llama_dir, monkeypatch):
+    """A grammar past llguidance's bound on its lexer states ends its request with that
+    error, read with the tokens of its step, and the other requests run on."""
+    from batchinfer.structured import grammar
+    monkeypatch.setitem(grammar.LIMITS, "max_lexer_states", 20)
+    prompts = _prompts(3)
+    requests = [(prompts[0], SamplingParams(max_tokens=8, structured_outputs=
+                                            StructuredOutputsParams(regex="[a-z]{1,20}z"))),
+                (prompts[1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)),
+                (prompts[2], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))]
+    _, _, expected, got = _compare(llama_dir, requests)
+    assert got[0].outputs[0].finish_reason == "error" and "too many states" in got[0].error
+    assert [o.outputs[0].finish_reason for o in got[1:]] == ["length", "length"]
 
 
 def test_async_scheduling_is_refused_with_parallelism():
