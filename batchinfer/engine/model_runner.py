@@ -275,7 +275,6 @@ class ModelRunner:
                   num_decodes: int) -> AttentionMetadata:
         seq_lens = starts + num_new
         slots = self._slots(block_tables, num_new, positions)
-        dev = self.device
         return AttentionMetadata(
             slot_mapping=self._to_device(slots),
             query_start_loc=self._to_device(qsl.astype(np.int32)),
@@ -370,7 +369,6 @@ class ModelRunner:
         if missing[-1] >= step.num_decodes:
             raise RuntimeError("a step's input is a token still being sampled, outside a decode")
         index = self._sampled_index[step.rows[missing]]
-        dev = self.device
         return (self._to_device(missing),
                 self._last_tokens[self._to_device(index)])
 
