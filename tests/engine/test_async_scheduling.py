@@ -180,10 +180,13 @@ def test_async_scheduling_is_refused_with_parallelism():
 @pytest.mark.gpu
 def test_on_a_gpu_with_cuda_graphs_and_eager_steps(llama_dir):
     """Inputs taken on the device from the step before, replayed in CUDA graphs (decodes)
-    and run eagerly (prompt steps): the tokens of the engine that waits."""
+    and run eagerly (prompt steps): the tokens of the engine that waits. The requests run
+    in lockstep (one prompt length, one max_tokens), so both engines' steps have the same
+    rows and a GPU's products the same shapes."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    requests = [(p, SamplingParams(temperature=0, max_tokens=12 + i, ignore_eos=True))
-                for i, p in enumerate(_prompts(10))]
+    requests = [([(5 * i + 3 * j) % 700 + 20 for j in range(40)],
+                 SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+                for i in range(6)]
     for eager in (False, True):
         _compare(llama_dir, requests, device="cuda", max_num_seqs=6, enforce_eager=eager)
