@@ -25,6 +25,7 @@ from transformers import (
     Gemma2Config,
     Gemma3TextConfig,
     GenerationConfig,
+    Glm4MoeConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -122,6 +123,32 @@ SHAPES: dict[str, dict[str, Any]] = {
         max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
         use_sliding_window=False, tie_word_embeddings=False, initializer_range=0.02,
     ),
+    # GLM-4.5-Air's shape (106B, 12B active): 128 experts, 8 a token, one shared, a dense
+    # first layer, half the head rotated
+    "glm-4.5-air": dict(
+        model_type="glm4_moe", hidden_size=4096, num_hidden_layers=46, num_attention_heads=96,
+        num_key_value_heads=8, head_dim=128, intermediate_size=10944,
+        moe_intermediate_size=1408, n_routed_experts=128, n_shared_experts=1,
+        num_experts_per_tok=8, n_group=1, topk_group=1, first_k_dense_replace=1,
+        routed_scaling_factor=1.0, norm_topk_prob=True, use_qk_norm=False, attention_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                         "partial_rotary_factor": 0.5},
+        vocab_size=151552, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, initializer_range=0.02,
+    ),
+    # tiny's attention with GLM-4.5's feed-forward: 4 of 16 experts 172 wide in groups, a
+    # shared expert, a dense first layer (the routing's cost beside tiny-moe's softmax)
+    "tiny-glm4-moe": dict(
+        model_type="glm4_moe", hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=32, intermediate_size=688, moe_intermediate_size=172,
+        n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4, n_group=4,
+        topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        use_qk_norm=True, attention_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0,
+                         "partial_rotary_factor": 0.5},
+        vocab_size=8192, max_position_embeddings=4096, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, initializer_range=0.08,
+    ),
     "mixtral-8x7b": dict(
         model_type="mixtral", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, intermediate_size=14336, num_local_experts=8,
@@ -213,6 +240,20 @@ SHAPES: dict[str, dict[str, Any]] = {
         rope_theta=1000000.0, use_sliding_window=False, rms_norm_eps=1e-6,
         tie_word_embeddings=False, initializer_range=0.15,
     ),
+    # GLM-4.5's MoE: DeepSeekMoE routing (sigmoid scores with a correction bias, the top
+    # experts of the best groups, a routed scaling factor, a shared expert), a dense first
+    # layer, half the head rotated, q/k norm, q/k/v biases.
+    "test-glm4-moe": dict(
+        model_type="glm4_moe", hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, intermediate_size=192, moe_intermediate_size=48,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=3, n_group=4,
+        topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.5},
+        vocab_size=1500, max_position_embeddings=2048, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, initializer_range=0.15,
+    ),
     # Gemma 2: sliding (even) and full attention layers by transformers' default rule, scores
     # and final logits soft-capped with caps the random weights' values often pass, Gemma's
     # norms around both sublayers, a query scale that is not head_dim's, GELU, embeddings
@@ -250,6 +291,7 @@ CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "gemma3_text": Gemma3TextConfig,
     "mixtral": MixtralConfig,
     "qwen3_moe": Qwen3MoeConfig,
+    "glm4_moe": Glm4MoeConfig,
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -391,13 +433,18 @@ def make_config(shape: str | Mapping[str, Any], *, vocab_size: int | None = None
 @torch.no_grad()
 def _randomize(model: torch.nn.Module, seed: int, std: float) -> None:
     """Draw every parameter from one seeded generator, in name order: matrices and biases
-    from N(0, std), RMSNorm weights from 1 + N(0, 0.1). Tied parameters are drawn once."""
+    from N(0, std), RMSNorm weights from 1 + N(0, 0.1), then DeepSeekMoE router biases
+    from N(0, 1). Tied parameters are drawn once."""
     generator = torch.Generator().manual_seed(seed)
     for name, param in sorted(model.named_parameters()):
         if name.endswith("norm.weight"):
             param.normal_(1.0, _NORM_WEIGHT_STD, generator=generator)
         else:
             param.normal_(0.0, std, generator=generator)
+    # DeepSeekMoE's router bias (a buffer), drawn too, so that routing depends on it
+    for name, buffer in sorted(model.named_buffers()):
+        if name.endswith("e_score_correction_bias"):
+            buffer.normal_(0.0, 1.0, generator=generator)
 
 
 def _write_legacy_rope(config_path: Path) -> None:

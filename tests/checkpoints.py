@@ -38,6 +38,7 @@ CHECKPOINTS: dict[str, dict[str, Any]] = {
     "gemma3": dict(shape="test-gemma3"),
     "mixtral": dict(shape="test-mixtral"),
     "qwen3_moe": dict(shape="test-qwen3-moe"),
+    "glm4_moe": dict(shape="test-glm4-moe"),
     "llama_legacy_rope": dict(shape="test-llama", rope_style="legacy"),
     "llama_sharded": dict(shape="test-llama", max_shard_size="200KB"),
     "llama_kv1": dict(shape=_one_kv_head("test-llama")),

@@ -134,6 +134,11 @@ def qwen3_moe_dir(checkpoint_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def glm4_moe_dir(checkpoint_root: Path) -> Path:
+    return checkpoints.build_checkpoint("glm4_moe", checkpoint_root)
+
+
+@pytest.fixture(scope="session")
 def llama_legacy_rope_dir(checkpoint_root: Path) -> Path:
     return checkpoints.build_checkpoint("llama_legacy_rope", checkpoint_root)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from batchinfer.paths import cache_root
 
 # Shapes small enough to write real random weights for (a few hundred MB at most).
-SMALL_SHAPES = ("tiny", "tiny-moe", "smollm2-135m")
+SMALL_SHAPES = ("tiny", "tiny-moe", "tiny-glm4-moe", "smollm2-135m")
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ and query scale defaults, Qwen2's q/k/v biases, Qwen3's and Gemma 3's per-head q
 Gemma 2's and 3's norms, sandwich layers and scaled embeddings, Gemma 2's tanh soft-capping
 of attention scores and final logits, which layers see a sliding window,
 each layer's rope settings (Gemma 3: its own per layer type) and the mixture-of-experts
-blocks of Mixtral and Qwen3-MoE. A vision-language checkpoint gives its text decoder's.
+blocks of Mixtral, Qwen3-MoE and GLM-4.5 (DeepSeekMoE routing). A vision-language
+checkpoint gives its text decoder's.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ class _Arch:
     qk_norm: bool = False    # an RMSNorm over each head of q and of k
     sliding: str = "none"    # where sliding_window applies: "none", "all", "layer_types"
     gemma: bool = False      # Gemma's norms, sandwich layers and scaled embeddings
+    o_proj_bias: bool = True  # attention_bias gives o_proj a bias too (not GLM-4.5's)
 
 
 ARCHITECTURES = {
@@ -39,13 +41,17 @@ ARCHITECTURES = {
     "Gemma2ForCausalLM": _Arch(sliding="layer_types", gemma=True),
     # q/k norm, sliding and full attention layers with rope of their own, GELU
     "Gemma3ForCausalLM": _Arch(qk_norm=True, sliding="layer_types", gemma=True),
+    # DeepSeekMoE routing and shared experts after dense first layers, partial rotary,
+    # q/k norm where use_qk_norm says
+    "Glm4MoeForCausalLM": _Arch(o_proj_bias=False),
 }
 # the architecture of a config that names none, by its model_type
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                   "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                   "gemma3_text": "Gemma3ForCausalLM",
-                  "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                  "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                  "glm4_moe": "Glm4MoeForCausalLM"}
 # vision-language checkpoints whose text decoder runs here (text prompts only)
 LANGUAGE_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 
@@ -64,6 +70,15 @@ class MoEConfig:
     intermediate_size: int         # each expert's
     normalize: bool                # the top k routing weights rescaled to sum to 1
     weights_in_model_dtype: bool   # routing weights rounded to the model's dtype (Qwen3-MoE)
+    # DeepSeekMoE (GLM-4.5): sigmoid scores, chosen with a learned correction bias added
+    # (e_score_correction_bias) among the top topk_groups of num_groups expert groups (a
+    # group scored by its two best), the weights scaled by routed_scaling_factor, and
+    # shared experts (one MLP of num_shared_experts x intermediate_size) on every token
+    scoring: str = "softmax"       # "softmax" or "sigmoid"
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    num_shared_experts: int = 0
 
 
 @dataclass(frozen=True)
@@ -138,8 +153,8 @@ class ModelConfig:
                         or getattr(config, "hidden_act", "silu")),
             attention_scale=(getattr(config, "query_pre_attn_scalar", None) or head_dim) ** -0.5,
             qkv_bias=arch.qkv_bias or attention_bias,
-            o_proj_bias=attention_bias and not arch.qkv_bias,
-            qk_norm=arch.qk_norm,
+            o_proj_bias=attention_bias and arch.o_proj_bias and not arch.qkv_bias,
+            qk_norm=arch.qk_norm or bool(getattr(config, "use_qk_norm", False)),
             gemma_norms=arch.gemma,
             sandwich_norms=arch.gemma,
             embed_scale=config.hidden_size ** 0.5 if arch.gemma else None,
@@ -246,7 +261,18 @@ def _rope_parameters(config, layer_type: str = "full_attention") -> dict:
 
 
 def _moe(config) -> MoEConfig | None:
-    """The experts of Mixtral (every layer) or Qwen3-MoE (see _moe_layer)."""
+    """The experts of Mixtral (every layer), Qwen3-MoE or GLM-4.5 (see _moe_layer)."""
+    if getattr(config, "n_routed_experts", None):  # DeepSeekMoE
+        groups = getattr(config, "n_group", None) or 1
+        if config.n_routed_experts % groups:
+            raise ValueError(f"n_routed_experts {config.n_routed_experts} is not a multiple of "
+                             f"n_group {groups}")
+        return MoEConfig(config.n_routed_experts, config.num_experts_per_tok,
+                         config.moe_intermediate_size, normalize=bool(config.norm_topk_prob),
+                         weights_in_model_dtype=False, scoring="sigmoid", num_groups=groups,
+                         topk_groups=getattr(config, "topk_group", None) or 1,
+                         routed_scaling_factor=float(config.routed_scaling_factor),
+                         num_shared_experts=getattr(config, "n_shared_experts", None) or 0)
     if getattr(config, "moe_intermediate_size", None) is None:
         if not getattr(config, "num_local_experts", None):
             return None
@@ -262,9 +288,12 @@ def _moe(config) -> MoEConfig | None:
 
 def _moe_layer(config, layer_idx: int) -> bool:
     """Whether a layer has the MoE block: all of Mixtral's; Qwen3-MoE's but its
-    mlp_only_layers and those decoder_sparse_step skips."""
+    mlp_only_layers and those decoder_sparse_step skips; GLM-4.5's after its
+    first_k_dense_replace dense ones."""
     if getattr(config, "moe_intermediate_size", None) is None:
         return True
+    if getattr(config, "n_routed_experts", None):
+        return layer_idx >= (getattr(config, "first_k_dense_replace", None) or 0)
     step = getattr(config, "decoder_sparse_step", 1) or 1
     return not (layer_idx in (getattr(config, "mlp_only_layers", None) or [])
                 or (layer_idx + 1) % step)

@@ -129,12 +129,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, prefix: str):
+    def __init__(self, config: ModelConfig, prefix: str, intermediate_size: int | None = None):
         super().__init__()
+        inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(
-            config.hidden_size, [config.intermediate_size, config.intermediate_size],
+            config.hidden_size, [inter, inter],
             quant=linear_quant(config, prefix, _stored_parts(config, "gate_up_proj")))
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
+        self.down_proj = RowParallelLinear(inter, config.hidden_size,
                                            quant=linear_quant(config, prefix, ("down_proj",)))
         if config.hidden_act not in ACTIVATIONS:
             raise ValueError(f"activation {config.hidden_act!r} is not supported; supported: "
@@ -173,7 +174,14 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: LayerConfig, backend, prefix: str):
         super().__init__()
         self.self_attn = Attention(config, layer, backend, f"{prefix}.self_attn")
-        self.mlp = moe_block(config, f"{prefix}.mlp") if layer.moe else MLP(config, f"{prefix}.mlp")
+        if layer.moe:
+            moe, shared = config.moe, None
+            if moe.num_shared_experts:
+                shared = MLP(config, f"{prefix}.mlp.shared_experts",
+                             moe.intermediate_size * moe.num_shared_experts)
+            self.mlp = moe_block(config, f"{prefix}.mlp", shared)
+        else:
+            self.mlp = MLP(config, f"{prefix}.mlp")
         norm = norm_class(config)
         self.input_layernorm = norm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = norm(config.hidden_size, config.rms_norm_eps)
@@ -331,7 +339,7 @@ class CausalLM(nn.Module):
                     raise ValueError(f"checkpoint tensor {name!r} {e}") from None
                 experts[expert.group(1)] = block
                 loaded.update(f"{expert.group(1)}.{p}" for p, _ in block.named_parameters()
-                              if not p.startswith("gate."))
+                              if not p.startswith(("gate.", "shared_experts.")))
                 continue
             shard_id = None  # a part of a fused parameter, or (None) a whole parameter
             parts = name.split(".")
@@ -341,7 +349,9 @@ class CausalLM(nn.Module):
                 parts[-2], shard_id = fused[parts[-2]]
             name = ".".join(parts)
             owner_name = name.rsplit(".", 1)[0]
-            quant = getattr(params.get(owner_name + ".weight"), "keep_dtype", False)
+            # an FP8 layer's (its weight keeps its dtype, and so does a float32 router's)
+            quant = (getattr(params.get(owner_name + ".weight"), "keep_dtype", False)
+                     and getattr(self.get_submodule(owner_name), "quant", None) is not None)
             if quant and parts[-1] in ("input_scale", "input_scale_ub") and name not in params:
                 continue  # dynamic activations here: the static scale (bound) is not used
             if name not in params:

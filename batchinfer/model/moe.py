@@ -1,6 +1,10 @@
-"""Sparse mixture-of-experts feed-forward blocks (Mixtral, Qwen3-MoE).
+"""Sparse mixture-of-experts feed-forward blocks (Mixtral, Qwen3-MoE, GLM-4.5).
 
-A router picks each token's top-k experts; each expert is a SiLU-gated MLP. Tokens are
+A router picks each token's top-k experts: by softmax (Mixtral, Qwen3-MoE), or as
+DeepSeekMoE does (GLM-4.5): sigmoid scores, chosen with a learned bias added among the best
+groups of experts, their weights scaled (MoEConfig); that router computes in float32 and
+keeps its weights in float32, as transformers does. Each expert is a SiLU-gated MLP, and a
+block may have shared experts (a dense MLP every token goes through, added after). Tokens are
 grouped by expert (one sort), and each expert that received tokens runs two products on
 just those rows; the outputs, scaled by the routing weights, are added into the result in
 ascending expert order, as transformers' eager experts do, so float32 results match its
@@ -26,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchinfer.model import cpu_linear, fp8
-from batchinfer.model.config import ModelConfig
+from batchinfer.model.config import ModelConfig, MoEConfig
 from batchinfer.model.parallel import TensorParallel, _check_divisible, _fp8_parameter, _shard
 from batchinfer.model.quantization import LinearQuant
 from batchinfer.model.weights import CheckpointTensor
@@ -37,21 +41,33 @@ EXPERT_TENSOR = re.compile(r"(.+)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)
 
 
 class Router(nn.Module):
-    def __init__(self, num_experts: int, hidden_size: int):
+    """The routing logits' weights; DeepSeekMoE's (sigmoid scoring) in float32, with the
+    correction bias of its scores."""
+
+    def __init__(self, num_experts: int, hidden_size: int, sigmoid: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        if not sigmoid:
+            self.weight = nn.Parameter(torch.empty(num_experts, hidden_size),
+                                       requires_grad=False)
+            return
+        self.weight = _fp8_parameter(torch.empty(num_experts, hidden_size))  # kept float32
+        self.e_score_correction_bias = _fp8_parameter(torch.zeros(num_experts))
 
 
 class SparseMoE(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 normalize: bool, weights_in_model_dtype: bool, quant: LinearQuant | None = None):
+                 normalize: bool, weights_in_model_dtype: bool, quant: LinearQuant | None = None,
+                 routing: MoEConfig | None = None, shared_experts: nn.Module | None = None):
         super().__init__()
         _check_divisible(intermediate_size, "expert intermediate size")
         self.num_experts, self.top_k, self.normalize = num_experts, top_k, normalize
         # Qwen3-MoE rounds the routing weights to the model's dtype; Mixtral keeps float32
         self.weights_in_model_dtype = weights_in_model_dtype
         self.intermediate = intermediate_size // TensorParallel.size
-        self.gate = Router(num_experts, hidden_size)
+        # DeepSeekMoE's routing settings (scoring "sigmoid"); None: softmax routing
+        self.routing = routing if routing is not None and routing.scoring == "sigmoid" else None
+        self.gate = Router(num_experts, hidden_size, sigmoid=self.routing is not None)
+        self.shared_experts = shared_experts
         # per expert: [gate; up] rows, and down
         self.quant = quant
         if quant is None:
@@ -160,7 +176,10 @@ class SparseMoE(nn.Module):
                 for p in ("gate_proj", "up_proj", "down_proj") for k in kinds
                 if (e, p + k) not in self.loaded]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(routing weights [T, top_k], experts [T, top_k]) of the tokens x [T, hidden]."""
+        if self.routing is not None:
+            return self._route_grouped(x)
         logits = F.linear(x, self.gate.weight)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
@@ -168,6 +187,35 @@ class SparseMoE(nn.Module):
             weights /= weights.sum(dim=-1, keepdim=True)
         if self.weights_in_model_dtype:
             weights = weights.to(x.dtype)
+        return weights, experts
+
+    def _route_grouped(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeekMoE's routing, in float32 and in transformers' order of operations."""
+        r = self.routing
+        scores = F.linear(x.float(), self.gate.weight).sigmoid()
+        choice = scores + self.gate.e_score_correction_bias
+        if r.num_groups > 1:
+            grouped = choice.view(-1, r.num_groups, self.num_experts // r.num_groups)
+            best = torch.topk(grouped.topk(2, dim=-1)[0].sum(dim=-1), k=r.topk_groups,
+                              dim=-1, sorted=False)[1]
+            kept = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=x.device)
+            kept.scatter_(1, best, True)
+            choice = choice.masked_fill(~kept.repeat_interleave(grouped.shape[2], dim=1),
+                                        float("-inf"))
+        experts = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, experts)
+        if self.normalize:
+            weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
+        return weights * r.routed_scaling_factor, experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._routed(x)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.route(x)
         if self.quant is None and self.fused(x):
             from batchinfer.kernels.triton.fused_moe import fused_moe
             out = fused_moe(x, self.w13, self.w2, experts, weights, self.weights_in_model_dtype)
@@ -206,16 +254,18 @@ def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def moe_block(config: ModelConfig, prefix: str) -> SparseMoE:
-    """A layer's MoE block, as config.moe describes it; its experts FP8 where the model's
-    quantization covers them (named as expert 0's projections are)."""
+def moe_block(config: ModelConfig, prefix: str,
+              shared_experts: nn.Module | None = None) -> SparseMoE:
+    """A layer's MoE block, as config.moe describes it, with the shared experts given;
+    its experts FP8 where the model's quantization covers them (named as expert 0's
+    projections are)."""
     moe = config.moe
     quant = None
     if config.quantization is not None:
         quant = config.quantization.linear_quant(
             [f"{prefix}.experts.0.{p}" for p in ("gate_proj", "up_proj", "down_proj")])
     return SparseMoE(config.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k,
-                     moe.normalize, moe.weights_in_model_dtype, quant)
+                     moe.normalize, moe.weights_in_model_dtype, quant, moe, shared_experts)
 
 
 def loaded_rows(weight: torch.Tensor, rows: slice, down: bool) -> int:

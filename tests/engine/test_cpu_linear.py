@@ -121,7 +121,7 @@ def test_engine_output_unchanged_by_packing(fixture, dtype, request, fresh_probe
         weight_bytes_read_per_step(plain, shape, plain.tie_word_embeddings).dense > 0
 
 
-@pytest.mark.parametrize("fixture", ["qwen3_moe_dir", "mixtral_dir"])
+@pytest.mark.parametrize("fixture", ["qwen3_moe_dir", "mixtral_dir", "glm4_moe_dir"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_moe_experts_packed_output_unchanged(fixture, dtype, request, fresh_probe,
                                              monkeypatch):

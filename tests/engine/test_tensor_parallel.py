@@ -50,6 +50,7 @@ def _run(llm: LLM) -> tuple[list, list[float], dict]:
     ("phi4_mini", dict(num_kv_blocks=64)),                 # fused tensors, partial rotary
     ("gemma3", dict(num_kv_blocks=64)),                    # rope per layer type, sandwich norms
     ("qwen3_moe", dict(num_kv_blocks=64)),                 # experts split, a dense layer
+    ("glm4_moe", dict(num_kv_blocks=64)),                  # grouped routing, shared experts
     ("llama", dict(num_kv_blocks=6, max_num_seqs=4)),      # preemption
 ])
 def test_two_ranks_match_one(request, model, kwargs):

@@ -57,7 +57,7 @@ def test_fp8_cache_matches_torch_backend(llama_dir, monkeypatch):
     assert triton_cached[1] >= 40
 
 
-@pytest.mark.parametrize("model", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("model", ["mixtral", "qwen3_moe", "glm4_moe"])
 def test_moe_models_with_the_grouped_kernels_match_the_expert_loop(request, monkeypatch, model):
     """The fused MoE products (what CUDA runs), interpreted, give the expert loop's tokens.
     (Both with the experts' weights as loaded: on CPU they are otherwise packed for oneDNN,
