@@ -534,7 +534,7 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[first_row:first_row + b - a])
                 if not self.samples:  # the all-gather alone: rank 0 scores
                     continue
-                targets = torch.tensor(batch.tokens(row, a + 1, b + 1), device=logits.device)
+                targets = self._to_device(batch.token_ids[row, a + 1:b + 1].astype(np.int64))
                 top_ids, values, ranks = logprobs(logits, k, targets)
                 rows += list(zip(top_ids.tolist(), values.tolist(), ranks.tolist()))
             out[req_id] = (start + 1, rows)
@@ -557,7 +557,7 @@ class ModelRunner:
                 bias_ids.append(bias[0])
                 bias_values.append(bias[1])
         allowed_t = ((torch.cat(allowed_rows), torch.cat(allowed_ids),
-                      torch.tensor(restricted, device=self.device))
+                      self._to_device(np.asarray(restricted, dtype=np.int64)))
                      if allowed_rows else None)
         bias_t = ((torch.cat(bias_rows), torch.cat(bias_ids), torch.cat(bias_values))
                   if bias_rows else None)
