@@ -225,10 +225,10 @@ class Scheduler:
         self.num_steps += 1
         self.num_generated_tokens += len(token_ids)
         sampled = list(map(self.requests.__getitem__, req_ids))
-        # one append per request, looped over in C: the step's largest per-request cost
+        # one append per request, looped over in C
         deque(map(list.append, map(_token_ids, sampled), token_ids), maxlen=0)
         plans = self._plans_prompting
-        while plans and plans[0][0] is not plan:  # a plan whose step failed
+        while plans and plans[0][0] is not plan:  # plans that computed nothing, or failed
             plans.popleft()
         prompting = plans.popleft()[1] if plans else ()
         if prompting:
