@@ -25,6 +25,7 @@ from transformers import (
     Gemma2Config,
     Gemma3TextConfig,
     GenerationConfig,
+    DeepseekV3Config,
     Glm4MoeConfig,
     LlamaConfig,
     MistralConfig,
@@ -254,6 +255,23 @@ SHAPES: dict[str, dict[str, Any]] = {
         vocab_size=1500, max_position_embeddings=2048, rms_norm_eps=1e-5,
         tie_word_embeddings=False, initializer_range=0.15,
     ),
+    # DeepSeek-V3: multi-head latent attention (low-rank queries, a latent KV row of
+    # kv_lora_rank + qk_rope_head_dim, interleaved rope, YaRN with mscale_all_dim scaling the
+    # query scale) and GLM-4.5's DeepSeekMoE after a dense first layer.
+    "test-deepseek-v3": dict(
+        model_type="deepseek_v3", hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=16, v_head_dim=24, intermediate_size=192, moe_intermediate_size=48,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=3, n_group=4,
+        topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                         "original_max_position_embeddings": 512, "beta_fast": 32,
+                         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "rope_theta": 10000.0},
+        vocab_size=1500, max_position_embeddings=2048, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, initializer_range=0.15,
+    ),
     # Gemma 2: sliding (even) and full attention layers by transformers' default rule, scores
     # and final logits soft-capped with caps the random weights' values often pass, Gemma's
     # norms around both sublayers, a query scale that is not head_dim's, GELU, embeddings
@@ -292,6 +310,7 @@ CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "mixtral": MixtralConfig,
     "qwen3_moe": Qwen3MoeConfig,
     "glm4_moe": Glm4MoeConfig,
+    "deepseek_v3": DeepseekV3Config,
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -39,6 +39,8 @@ CHECKPOINTS: dict[str, dict[str, Any]] = {
     "mixtral": dict(shape="test-mixtral"),
     "qwen3_moe": dict(shape="test-qwen3-moe"),
     "glm4_moe": dict(shape="test-glm4-moe"),
+    "deepseek_v3": dict(shape="test-deepseek-v3"),
+    "deepseek_v3_no_q_lora": dict(shape={**SHAPES["test-deepseek-v3"], "q_lora_rank": None}),
     "llama_legacy_rope": dict(shape="test-llama", rope_style="legacy"),
     "llama_sharded": dict(shape="test-llama", max_shard_size="200KB"),
     "llama_kv1": dict(shape=_one_kv_head("test-llama")),

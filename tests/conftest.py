@@ -139,6 +139,16 @@ def glm4_moe_dir(checkpoint_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def deepseek_v3_dir(checkpoint_root: Path) -> Path:
+    return checkpoints.build_checkpoint("deepseek_v3", checkpoint_root)
+
+
+@pytest.fixture(scope="session")
+def deepseek_v3_no_q_lora_dir(checkpoint_root: Path) -> Path:
+    return checkpoints.build_checkpoint("deepseek_v3_no_q_lora", checkpoint_root)
+
+
+@pytest.fixture(scope="session")
 def llama_legacy_rope_dir(checkpoint_root: Path) -> Path:
     return checkpoints.build_checkpoint("llama_legacy_rope", checkpoint_root)
 

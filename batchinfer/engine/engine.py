@@ -40,6 +40,7 @@ class LLMEngine:
         self.default_sampling = generation_defaults(path, config.generation_config)
         self.model_config = ModelConfig.from_hf(hf_config(path, config.trust_remote_code),
                                                 config.quantization)
+        _check_mla(config, self.model_config)
         if config.load_format != "dummy":  # the weights' shapes, from the files' headers
             check_shapes(tensor_shapes(path), self.model_config, str(path))
         tokenizer_path = resolve_tokenizer_path(config.tokenizer) if config.tokenizer else path
@@ -425,6 +426,8 @@ class LLMEngine:
             "max_model_len": self.max_model_len,
             # this rank's weights (with tensor parallelism, each rank holds about 1/N)
             "weight_bytes": self.model_runner.weight_bytes,
+            # this rank's KV cache per token: every layer's key and value rows, or latent row
+            "kv_bytes_per_token": self.model_runner.block_bytes // self.config.block_size,
             "quantization": (self.model_config.quantization.method
                              if self.model_config.quantization else None),
         }
@@ -488,13 +491,29 @@ def _eos_token_ids(path, model_config: ModelConfig, tokenizer) -> frozenset[int]
     return frozenset(ids)
 
 
+def _check_mla(config: EngineConfig, model_config: ModelConfig) -> None:
+    """Refuse the settings multi-head latent attention does not run with yet."""
+    if model_config.mla is None:
+        return
+    if config.tensor_parallel_size > 1:
+        raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size}: multi-head "
+                         f"latent attention ({model_config.architecture}) runs on one rank "
+                         "only for now; use tensor_parallel_size 1")
+    if model_config.quantization is not None:
+        raise ValueError(f"FP8 weights with multi-head latent attention "
+                         f"({model_config.architecture}) are not supported yet")
+    if config.kv_cache_dtype != "auto":
+        raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype!r}: multi-head latent "
+                         f"attention ({model_config.architecture}) keeps its latent cache in "
+                         "the model's dtype for now; use kv_cache_dtype auto")
+
+
 def _kv_bytes_asked(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
                     max_len: int, device: torch.device) -> int:
     """The KV cache the settings ask for, in bytes (0 on a GPU left to size it from the
     memory the weights leave, which it measures)."""
     kv_dtype = config.kv_cache_torch_dtype(dtype)
-    block_bytes = (2 * model_config.num_hidden_layers * config.block_size
-                   * model_config.num_key_value_heads * model_config.head_dim * kv_dtype.itemsize)
+    block_bytes = config.block_size * model_config.kv_elements_per_token * kv_dtype.itemsize
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks * block_bytes
     if config.kv_cache_memory_bytes is not None:

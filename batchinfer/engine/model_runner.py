@@ -127,15 +127,17 @@ class ModelRunner:
             kernels.join()
         self.weight_bytes = weight_bytes(self.model)
         layers = self.model.model.stage_layers  # all of them but under pipeline parallelism
-        attn = layers[0].self_attn
+        # per layer: a key and a value cache, or (multi-head latent attention) one latent
+        # cache, each [num_blocks, block_size, heads, dim]
+        self.kv_parts, heads, dim = layers[0].self_attn.cache_layout()
         self.num_layers = len(layers)
-        self.kv_shape = (self.block_size, attn.num_kv_heads, attn.head_dim)
+        self.kv_shape = (self.block_size, heads, dim)
         # every rank must hold the same blocks: the smallest pool any rank can afford
         self.num_blocks = TensorParallel.min_across_ranks(self._num_kv_blocks(max_model_len))
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         # on CPU, the cache's pages are backed ahead of the blocks' first use (host_memory)
         self.kv_pages = KVPagePopulator(
-            [t.data_ptr() for pair in self.kv_caches for t in pair],
+            [t.data_ptr() for pair in self.kv_caches for t in pair if t is not None],
             self.kv_caches[0][0][0].nbytes, self.num_blocks) if device.type == "cpu" else None
         self.max_model_len = min(max_model_len, self.num_blocks * self.block_size)
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
@@ -169,10 +171,10 @@ class ModelRunner:
     # ---- KV cache sizing -------------------------------------------------------------
     @property
     def block_bytes(self) -> int:
-        """One block's K and V in every layer: an FP8 cache's are 1 byte an element, half
-        of bfloat16's and a quarter of float32's."""
+        """One block's K and V (or latent rows) in every layer: an FP8 cache's are 1 byte an
+        element, half of bfloat16's and a quarter of float32's."""
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
-        return 2 * self.num_layers * int(np.prod(self.kv_shape)) * elem
+        return self.kv_parts * self.num_layers * int(np.prod(self.kv_shape)) * elem
 
     def _num_kv_blocks(self, max_model_len: int) -> int:
         cfg = self.config
@@ -221,12 +223,16 @@ class ModelRunner:
         total = torch.cuda.get_device_properties(self.device).total_memory
         return int(total * self.config.gpu_memory_utilization) - peak
 
-    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        # Left uninitialised: no backend reads a slot before it is written (padding reads
-        # are clamped to written positions or masked loads), and on CPU the pages of a
-        # large pool are only backed by memory as blocks come into use (kv_pages).
-        cache = torch.empty((self.num_layers, 2, num_blocks, *self.kv_shape),
+    def _allocate_kv_cache(self, num_blocks: int
+                           ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Each layer's (k_cache, v_cache), or (latent_cache, None) with one part a layer.
+        Left uninitialised: no backend reads a slot before it is written (padding reads
+        are clamped to written positions or masked loads), and on CPU the pages of a
+        large pool are only backed by memory as blocks come into use (kv_pages)."""
+        cache = torch.empty((self.num_layers, self.kv_parts, num_blocks, *self.kv_shape),
                             dtype=self.kv_dtype, device=self.device)
+        if self.kv_parts == 1:
+            return [(cache[i, 0], None) for i in range(self.num_layers)]
         return [(cache[i, 0], cache[i, 1]) for i in range(self.num_layers)]
 
     # ---- plan bookkeeping ------------------------------------------------------------

@@ -182,6 +182,9 @@ def expected_shape(config, name: str) -> tuple[int, ...] | None:
     layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
              "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
              "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q)}
+    if getattr(config, "mla", None) is not None:  # (the latent projections not checked)
+        layer = {name: shape for name, shape in layer.items() if "self_attn" not in name}
+        layer["self_attn.o_proj.weight"] = (h, config.num_attention_heads * config.mla.v_head_dim)
     if config.qk_norm:
         layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
     if not config.layers[int(match[1])].moe:

@@ -5,8 +5,9 @@ and query scale defaults, Qwen2's q/k/v biases, Qwen3's and Gemma 3's per-head q
 Gemma 2's and 3's norms, sandwich layers and scaled embeddings, Gemma 2's tanh soft-capping
 of attention scores and final logits, which layers see a sliding window,
 each layer's rope settings (Gemma 3: its own per layer type) and the mixture-of-experts
-blocks of Mixtral, Qwen3-MoE and GLM-4.5 (DeepSeekMoE routing). A vision-language
-checkpoint gives its text decoder's.
+blocks of Mixtral, Qwen3-MoE, GLM-4.5 and DeepSeek-V3 (DeepSeekMoE routing), and
+DeepSeek-V3's multi-head latent attention (MLAConfig). A vision-language checkpoint gives
+its text decoder's.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batchinfer.model.quantization import Fp8Scheme, quantization_scheme
-from batchinfer.model.rope import SUPPORTED_ROPE_TYPES
+from batchinfer.model.rope import SUPPORTED_ROPE_TYPES, yarn_mscale
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,8 @@ ARCHITECTURES = {
     # DeepSeekMoE routing and shared experts after dense first layers, partial rotary,
     # q/k norm where use_qk_norm says
     "Glm4MoeForCausalLM": _Arch(o_proj_bias=False),
+    # multi-head latent attention (batchinfer.model.mla), DeepSeekMoE as GLM-4.5's
+    "DeepseekV3ForCausalLM": _Arch(),
 }
 # the architecture of a config that names none, by its model_type
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -51,7 +54,7 @@ _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                   "gemma3_text": "Gemma3ForCausalLM",
                   "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                  "glm4_moe": "Glm4MoeForCausalLM"}
+                  "glm4_moe": "Glm4MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 # vision-language checkpoints whose text decoder runs here (text prompts only)
 LANGUAGE_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 
@@ -79,6 +82,23 @@ class MoEConfig:
     topk_groups: int = 1
     routed_scaling_factor: float = 1.0
     num_shared_experts: int = 0
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V3): keys and values are expanded per head from
+    one latent row per token, kv_lora_rank values normed plus qk_rope_head_dim rotated key
+    values shared by all heads; that row is what the KV cache holds."""
+    q_lora_rank: int | None       # the queries' low-rank projection (None: q_proj directly)
+    kv_lora_rank: int
+    qk_nope_head_dim: int         # each query/key head's dimensions without rotation
+    qk_rope_head_dim: int         # and with it
+    v_head_dim: int
+    rope_interleave: bool         # rotated dimensions stored as interleaved pairs
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -112,6 +132,15 @@ class ModelConfig:
     dtype: Any                    # the checkpoint's, as its config gives it (or None)
     eos_token_id: int | list[int] | None
     quantization: Fp8Scheme | None = None  # FP8 linear layers (batchinfer.model.quantization)
+    mla: MLAConfig | None = None  # multi-head latent attention (head_dim: the rotated part)
+
+    @property
+    def kv_elements_per_token(self) -> int:
+        """The KV cache's values per token over all layers: the latent row with MLA, else
+        a key and a value per KV head."""
+        if self.mla is not None:
+            return self.num_hidden_layers * self.mla.latent_dim
+        return self.num_hidden_layers * 2 * self.num_key_value_heads * self.head_dim
 
     @classmethod
     def from_hf(cls, hf_config, quantization: str | None = None) -> ModelConfig:
@@ -130,6 +159,15 @@ class ModelConfig:
         rope_keys = [_rope_key(config, i) for i in range(config.num_hidden_layers)]
         full = _rope_parameters(config)
         moe = _moe(config)
+        mla = _mla(config)
+        scale = (getattr(config, "query_pre_attn_scalar", None) or head_dim) ** -0.5
+        if mla is not None:
+            # the rotary table covers the rotated part; one latent "KV head"; the scale is
+            # YaRN's mscale_all_dim factor squared over the whole query/key head
+            head_dim = mla.qk_rope_head_dim
+            scale = (mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5
+            if full["rope_type"] != "default" and full.get("mscale_all_dim"):
+                scale *= yarn_mscale(full["factor"], full["mscale_all_dim"]) ** 2
         layers = tuple(LayerConfig(_sliding_window(config, arch, i), rope_keys[i],
                                    moe is not None and _moe_layer(config, i))
                        for i in range(config.num_hidden_layers))
@@ -145,13 +183,14 @@ class ModelConfig:
             intermediate_size=config.intermediate_size,
             num_hidden_layers=config.num_hidden_layers,
             num_attention_heads=heads,
-            num_key_value_heads=getattr(config, "num_key_value_heads", None) or heads,
+            num_key_value_heads=(1 if mla is not None
+                                 else getattr(config, "num_key_value_heads", None) or heads),
             head_dim=head_dim,
             max_position_embeddings=config.max_position_embeddings,
             rms_norm_eps=config.rms_norm_eps,
             hidden_act=(getattr(config, "hidden_activation", None)
                         or getattr(config, "hidden_act", "silu")),
-            attention_scale=(getattr(config, "query_pre_attn_scalar", None) or head_dim) ** -0.5,
+            attention_scale=scale,
             qkv_bias=arch.qkv_bias or attention_bias,
             o_proj_bias=attention_bias and arch.o_proj_bias and not arch.qkv_bias,
             qk_norm=arch.qk_norm or bool(getattr(config, "use_qk_norm", False)),
@@ -169,6 +208,7 @@ class ModelConfig:
             dtype=getattr(dtype_source, "dtype", None) or getattr(dtype_source, "torch_dtype", None),
             eos_token_id=eos if eos is not None else getattr(config, "eos_token_id", None),
             quantization=scheme,
+            mla=mla,
         )
 
 
@@ -258,6 +298,18 @@ def _rope_parameters(config, layer_type: str = "full_attention") -> dict:
         if params.get("factor") is None:
             params["factor"] = config.max_position_embeddings / original
     return params
+
+
+def _mla(config) -> MLAConfig | None:
+    if not getattr(config, "kv_lora_rank", None):
+        return None
+    q_lora = getattr(config, "q_lora_rank", None)
+    return MLAConfig(q_lora_rank=int(q_lora) if q_lora else None,
+                     kv_lora_rank=int(config.kv_lora_rank),
+                     qk_nope_head_dim=int(config.qk_nope_head_dim),
+                     qk_rope_head_dim=int(config.qk_rope_head_dim),
+                     v_head_dim=int(config.v_head_dim),
+                     rope_interleave=bool(getattr(config, "rope_interleave", True)))
 
 
 def _moe(config) -> MoEConfig | None:

@@ -1,5 +1,6 @@
 """The Llama-family decoder (Llama 2/3, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Phi-3,
-Gemma 2, Gemma 3) as plain PyTorch.
+Gemma 2, Gemma 3, GLM-4.5; DeepSeek-V3 with batchinfer.model.mla's attention) as plain
+PyTorch.
 
 Tokens are flat ([num_tokens, hidden]) with no padding; attention reads and writes the
 paged KV cache through the step's AttentionMetadata. The architectures' differences are
@@ -92,6 +93,10 @@ class Attention(nn.Module):
         # k / k_scale and v / v_scale
         self.k_scale = self.v_scale = 1.0
 
+    def cache_layout(self) -> tuple[int, int, int]:
+        """(caches per layer, heads, dim): a key and a value cache of this rank's KV heads."""
+        return 2, self.num_kv_heads, self.head_dim
+
     @torch.no_grad()
     def reorder_rotary_dims(self) -> None:
         """Store the q and k heads' dimensions in rotary_order (see rope.partial_rotary_order);
@@ -173,7 +178,11 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: LayerConfig, backend, prefix: str):
         super().__init__()
-        self.self_attn = Attention(config, layer, backend, f"{prefix}.self_attn")
+        if config.mla is not None:
+            from batchinfer.model.mla import MLAttention  # (it builds its norms from here)
+            self.self_attn = MLAttention(config, layer, norm_class(config), f"{prefix}.self_attn")
+        else:
+            self.self_attn = Attention(config, layer, backend, f"{prefix}.self_attn")
         if layer.moe:
             moe, shared = config.moe, None
             if moe.num_shared_experts:
@@ -283,7 +292,10 @@ class CausalLM(nn.Module):
     @property
     def graph_safe(self) -> bool:
         """Whether a forward pass can be captured in a CUDA graph: not where MoE blocks
-        loop over their experts, reading the counts on the host."""
+        loop over their experts, reading the counts on the host, nor with multi-head
+        latent attention (a loop over the sequences)."""
+        if self.config.mla is not None:
+            return False
         probe = next(self.parameters())
         return all(layer.mlp.fused(probe) for layer in self.model.stage_layers
                    if isinstance(layer.mlp, SparseMoE))
@@ -317,6 +329,8 @@ class CausalLM(nn.Module):
         loaded: set[str] = set()
         fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                  "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        if self.config.mla is not None:  # its q_proj is a layer of its own
+            del fused["q_proj"], fused["k_proj"], fused["v_proj"]
         experts: dict[str, SparseMoE] = {}
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:

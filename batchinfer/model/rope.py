@@ -19,8 +19,8 @@ def attention_scaling(params: dict) -> float:
     if params["rope_type"] == "yarn":
         mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
         if mscale and mscale_all_dim:
-            return float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
-        return _yarn_mscale(factor)
+            return float(yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim))
+        return yarn_mscale(factor)
     if factor <= 1.0:
         return 1.0
     return math.sqrt(1 + math.log(factor) / math.log(params["original_max_position_embeddings"]))
@@ -87,7 +87,7 @@ def _rotated_inv_freq(params: dict, head_dim: int) -> torch.Tensor:
     return inv_freq
 
 
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     """YaRN's attention factor, eq. 21 of the paper: 0.1 * mscale * ln(factor) + 1."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
