@@ -41,7 +41,8 @@ def _check(model_dir, **engine_args) -> LLM:
 @pytest.mark.parametrize("fixture", ["llama_dir", "mistral_dir", "qwen2_dir", "qwen2_yarn_dir",
                                      "qwen3_dir", "phi3_dir", "phi4_mini_dir", "gemma2_dir",
                                      "gemma3_dir", "mixtral_dir", "qwen3_moe_dir",
-                                     "glm4_moe_dir"])
+                                     "glm4_moe_dir", "deepseek_v3_dir",
+                                     "deepseek_v3_no_q_lora_dir"])
 def test_matches_transformers(fixture, request):
     model_dir = request.getfixturevalue(fixture)
     llm = _check(model_dir)
@@ -87,6 +88,11 @@ def test_preemption_with_chunking_and_small_blocks(mistral_dir):
 
 def test_grouped_expert_routing_with_chunking_and_preemption(glm4_moe_dir):
     llm = _check(glm4_moe_dir, num_kv_blocks=48, max_num_batched_tokens=64)
+    assert llm.stats()["num_preemptions"] > 0
+
+
+def test_latent_attention_with_chunking_and_preemption(deepseek_v3_dir):
+    llm = _check(deepseek_v3_dir, num_kv_blocks=48, max_num_batched_tokens=64)
     assert llm.stats()["num_preemptions"] > 0
 
 

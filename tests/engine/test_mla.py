@@ -1,0 +1,46 @@
+"""DeepSeek-V3's multi-head latent attention: the config it reads, the latent KV cache's
+size, and the settings it refuses. (Greedy parity with transformers, also with chunked
+prefill and preemption, is in test_correctness.py.)"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchinfer import LLM
+from batchinfer.model.config import ModelConfig
+
+
+def test_the_config_reads_mla_settings(deepseek_v3_dir):
+    from transformers import AutoConfig
+    config = ModelConfig.from_hf(AutoConfig.from_pretrained(str(deepseek_v3_dir)))
+    mla = config.mla
+    assert (mla.q_lora_rank, mla.kv_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim,
+            mla.v_head_dim, mla.rope_interleave) == (48, 32, 16, 16, 24, True)
+    assert (config.head_dim, config.num_key_value_heads) == (16, 1)
+    # (16 + 16) ** -0.5 times YaRN's (0.1 * ln 4 + 1) squared, as transformers' scaling
+    assert config.attention_scale == pytest.approx(32 ** -0.5 * (0.1 * torch.log(
+        torch.tensor(4.0)).item() + 1) ** 2)
+    assert [layer.moe for layer in config.layers] == [False, True, True]
+
+
+def test_kv_bytes_per_token(deepseek_v3_dir, llama_dir):
+    from transformers import AutoConfig
+    llm = LLM(model=str(deepseek_v3_dir), dtype="float32", num_kv_blocks=8)
+    cache = llm.llm_engine.model_runner.kv_caches
+    assert len(cache) == 3 and all(v is None for _, v in cache)
+    assert tuple(cache[0][0].shape) == (8, 16, 1, 32 + 16)
+    assert llm.stats()["kv_bytes_per_token"] == 3 * (32 + 16) * 4
+    hf = AutoConfig.from_pretrained(str(llama_dir))
+    llama = LLM(model=str(llama_dir), dtype="float32", num_kv_blocks=8)
+    assert llama.stats()["kv_bytes_per_token"] == (
+        2 * hf.num_hidden_layers * hf.num_key_value_heads * hf.head_dim * 4)
+
+
+def test_tensor_parallelism_is_refused(deepseek_v3_dir):
+    with pytest.raises(ValueError, match="tensor_parallel_size 2: multi-head latent attention"):
+        LLM(model=str(deepseek_v3_dir), tensor_parallel_size=2)
+
+
+def test_fp8_kv_cache_is_refused(deepseek_v3_dir):
+    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8'"):
+        LLM(model=str(deepseek_v3_dir), kv_cache_dtype="fp8")
