@@ -27,8 +27,9 @@ def test_shapes_as_the_hf_config_gives_them(shape):
             c.num_attention_heads, c.num_key_value_heads, c.max_position_embeddings,
             c.rms_norm_eps, c.model_type) == \
         (hf.vocab_size, hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers,
-         hf.num_attention_heads, hf.num_key_value_heads, hf.max_position_embeddings,
-         hf.rms_norm_eps, hf.model_type)
+         hf.num_attention_heads,
+         1 if c.mla is not None else hf.num_key_value_heads,  # MLA: one latent row
+         hf.max_position_embeddings, hf.rms_norm_eps, hf.model_type)
     assert c.architecture == hf.architectures[0]
     assert len(c.layers) == hf.num_hidden_layers
     assert c.tie_word_embeddings == hf.tie_word_embeddings
