@@ -44,3 +44,8 @@ def test_tensor_parallelism_is_refused(deepseek_v3_dir):
 def test_fp8_kv_cache_is_refused(deepseek_v3_dir):
     with pytest.raises(ValueError, match="kv_cache_dtype 'fp8'"):
         LLM(model=str(deepseek_v3_dir), kv_cache_dtype="fp8")
+
+
+def test_fp8_weights_are_refused(deepseek_v3_dir):
+    with pytest.raises(ValueError, match="FP8 weights with multi-head latent attention"):
+        LLM(model=str(deepseek_v3_dir), quantization="fp8")
