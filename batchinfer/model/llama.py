@@ -19,6 +19,7 @@ from batchinfer.attention import AttentionMetadata
 from batchinfer.model import cpu_linear, fp8, ops
 from batchinfer.model.config import LayerConfig, ModelConfig
 from batchinfer.model.quantization import LinearQuant
+from batchinfer.model.mla import MLAttention
 from batchinfer.model.moe import EXPERT_TENSOR, SparseMoE, mixtral_name, moe_block
 from batchinfer.model.parallel import (ColumnParallelLinear, ParallelLMHead, PipelineParallel,
                                        QKVParallelLinear, RowParallelLinear,
@@ -179,7 +180,6 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: LayerConfig, backend, prefix: str):
         super().__init__()
         if config.mla is not None:
-            from batchinfer.model.mla import MLAttention  # (it builds its norms from here)
             self.self_attn = MLAttention(config, layer, norm_class(config), f"{prefix}.self_attn")
         else:
             self.self_attn = Attention(config, layer, backend, f"{prefix}.self_attn")

@@ -75,6 +75,13 @@ def test_requests_ending_one_step_apart(llama_dir):
     _compare(llama_dir, requests)
 
 
+def test_mixtures_of_experts_and_latent_attention(glm4_moe_dir, deepseek_v3_dir):
+    requests = [(p, SamplingParams(temperature=0, max_tokens=3 + 3 * (i % 3), ignore_eos=True))
+                for i, p in enumerate(_prompts(6))]
+    for model in (glm4_moe_dir, deepseek_v3_dir):
+        _compare(model, requests, max_num_seqs=4, max_num_batched_tokens=48)
+
+
 def test_preemption_in_a_small_pool(llama_dir):
     requests = [(p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)) for p in _prompts(8)]
     sync_engine, async_engine, _, _ = _compare(llama_dir, requests, num_kv_blocks=14,

@@ -59,6 +59,7 @@ def test_micro_batches_are_contiguous_and_balanced():
     ("gemma3", dict(pipeline_parallel_size=2)),                # 3 layers: 1 + 2
     ("qwen3_moe", dict(pipeline_parallel_size=3)),             # a layer per stage, experts
     ("glm4_moe", dict(pipeline_parallel_size=2)),              # dense stage, MoE stage
+    ("deepseek_v3", dict(pipeline_parallel_size=2)),           # latent caches per stage
     ("phi4_mini", dict(pipeline_parallel_size=2, tensor_parallel_size=2)),  # 4 processes
     ("llama", dict(pipeline_parallel_size=2, num_kv_blocks=6, max_num_seqs=4)),  # preemption
     ("mistral", dict(pipeline_parallel_size=2, max_num_batched_tokens=24)),  # chunked prefill
