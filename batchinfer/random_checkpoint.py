@@ -27,6 +27,7 @@ from transformers import (
     GenerationConfig,
     DeepseekV3Config,
     Glm4MoeConfig,
+    GptOssConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -272,6 +273,21 @@ SHAPES: dict[str, dict[str, Any]] = {
         vocab_size=1500, max_position_embeddings=2048, rms_norm_eps=1e-6,
         tie_word_embeddings=False, initializer_range=0.15,
     ),
+    # gpt-oss: attention sinks, q/k/v/o biases, sliding (16, shorter than the test prompts)
+    # and full layers in turn, YaRN over an original context shorter than the prompts, and
+    # experts with biases and the clamped SwiGLU, routed by softmax over the top 2 of 8
+    # router logits (the router has a bias too).
+    "test-gpt-oss": dict(
+        model_type="gpt_oss", hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, intermediate_size=48, num_local_experts=8,
+        num_experts_per_tok=2, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 128, "rope_theta": 150000.0},
+        vocab_size=1500, max_position_embeddings=512, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, initializer_range=0.15,
+    ),
     # Gemma 2: sliding (even) and full attention layers by transformers' default rule, scores
     # and final logits soft-capped with caps the random weights' values often pass, Gemma's
     # norms around both sublayers, a query scale that is not head_dim's, GELU, embeddings
@@ -311,6 +327,7 @@ CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "qwen3_moe": Qwen3MoeConfig,
     "glm4_moe": Glm4MoeConfig,
     "deepseek_v3": DeepseekV3Config,
+    "gpt_oss": GptOssConfig,
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -452,12 +469,14 @@ def make_config(shape: str | Mapping[str, Any], *, vocab_size: int | None = None
 @torch.no_grad()
 def _randomize(model: torch.nn.Module, seed: int, std: float) -> None:
     """Draw every parameter from one seeded generator, in name order: matrices and biases
-    from N(0, std), RMSNorm weights from 1 + N(0, 0.1), then DeepSeekMoE router biases
-    from N(0, 1). Tied parameters are drawn once."""
+    from N(0, std), RMSNorm weights from 1 + N(0, 0.1), attention sinks (gpt-oss) from
+    N(0, 1), then DeepSeekMoE router biases from N(0, 1). Tied parameters are drawn once."""
     generator = torch.Generator().manual_seed(seed)
     for name, param in sorted(model.named_parameters()):
         if name.endswith("norm.weight"):
             param.normal_(1.0, _NORM_WEIGHT_STD, generator=generator)
+        elif name.endswith("self_attn.sinks"):  # logits of the same order as the scores
+            param.normal_(0.0, 1.0, generator=generator)
         else:
             param.normal_(0.0, std, generator=generator)
     # DeepSeekMoE's router bias (a buffer), drawn too, so that routing depends on it

@@ -22,6 +22,11 @@ Soft-capped scores (Gemma 2: cap * tanh(scores / cap), before the mask) are not 
 kernels nor in torch's flash kernel: such layers run every part in plain tensor ops
 (_math_attention_with_lse), still planned, gathered and merged as above.
 
+Attention sinks (gpt-oss: a logit per query head added to the softmax's denominator) take
+the same plain-ops path, without the cascade: each query row's keys are then attended in
+one call, whose result over the keys is scaled by sigmoid(lse - sink), the share of the
+denominator that the keys hold.
+
 An FP8 cache (kernels/fp8.py) is written as E4M3 codes of k / k_scale and v / v_scale; the
 C kernels read it as it is, and what torch reads is gathered as codes (uint8: index ops on
 float8 are not implemented everywhere) and widened times the scale to the query's dtype.
@@ -60,23 +65,25 @@ def _slots(block_tables: np.ndarray, positions: np.ndarray, block_size: int) -> 
 _CPU_FLASH_GQA = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
 
-def _attention_with_lse(q, k, v, mask, scale, causal=False, softcap=None):
+def _attention_with_lse(q, k, v, mask, scale, causal=False, softcap=None, sink=None):
     """(out, logsumexp) of attention; q [B, H, L, D], k/v [B, Hkv, S, D] with H a multiple
     of Hkv (query head h reads KV head h // (H / Hkv)), mask additive or None; causal (with
-    L == S and no mask): query i sees keys [0, i]; softcap: scores capped by it (tanh)."""
-    if q.device.type == "cpu" and softcap is None \
+    L == S and no mask): query i sees keys [0, i]; softcap: scores capped by it (tanh);
+    sink: a logit added to each softmax's denominator, broadcast to [B, H, L] (the
+    logsumexp returned is the keys' alone)."""
+    if q.device.type == "cpu" and softcap is None and sink is None \
             and (k.shape[1] == q.shape[1] or _CPU_FLASH_GQA):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, attn_mask=mask, scale=scale)[:2]
         return out, lse
     if causal:
         mask = torch.full((q.shape[2], k.shape[2]), float("-inf"), device=q.device).triu(1)
-    return _math_attention_with_lse(q, k, v, mask, scale, softcap)
+    return _math_attention_with_lse(q, k, v, mask, scale, softcap, sink)
 
 
-def _math_attention_with_lse(q, k, v, mask, scale, softcap=None):
-    """_attention_with_lse in plain tensor ops, for devices without the CPU flash kernel
-    and for soft-capped scores."""
+def _math_attention_with_lse(q, k, v, mask, scale, softcap=None, sink=None):
+    """_attention_with_lse in plain tensor ops, for devices without the CPU flash kernel,
+    for soft-capped scores and for sinks."""
     if k.shape[1] != q.shape[1]:
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
@@ -87,6 +94,8 @@ def _math_attention_with_lse(q, k, v, mask, scale, softcap=None):
         scores = scores + mask
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.matmul(torch.exp(scores - lse[..., None]), v.float())
+    if sink is not None:  # e^lse / (e^lse + e^sink): the keys' share of the denominator
+        out = out * torch.sigmoid(lse - sink.float())[..., None]
     return out.to(q.dtype), lse
 
 
@@ -179,13 +188,15 @@ class TorchAttention:
         return best, matched < best
 
     def _plan(self, meta: AttentionMetadata, window: int | None, dtype: torch.dtype,
-              head_dim: int, decode_kernel: bool, prefill_kernel: bool) -> _StepPlan:
+              head_dim: int, decode_kernel: bool, prefill_kernel: bool,
+              cascade: bool = True) -> _StepPlan:
         """Built on the host with numpy (small arrays: torch's per-op cost would dominate),
         then moved to the device once. With decode_kernel, decodes get key ranges for the C
         kernel instead of gather indices and masks; with prefill_kernel, prefill chunks get
         one row each for the C kernel, but for those it leaves to flash: sequences longer
-        than the window, and see cpu.prefill.FLASH_MIN_KEYS_X_DIM2."""
-        key = ("plan", window, dtype, head_dim, decode_kernel, prefill_kernel)
+        than the window, and see cpu.prefill.FLASH_MIN_KEYS_X_DIM2. cascade False: no
+        shared part (every query row's keys in one part, without prefill_kernel)."""
+        key = ("plan", window, dtype, head_dim, decode_kernel, prefill_kernel, cascade)
         if key in meta.cache:
             return meta.cache[key]
         bs, nd, n = meta.block_size, meta.num_decode_seqs, meta.num_seqs
@@ -193,7 +204,7 @@ class TorchAttention:
         tables = meta.host_block_tables()
         lens = np.asarray(meta.seq_lens_cpu, dtype=np.int64)
         qsl = meta.query_start_loc_cpu
-        shared, not_member = self._cascade(meta, window)
+        shared, not_member = self._cascade(meta, window) if cascade else (0, None)
         prefix = shared * bs
         # each sequence's own keys start after the shared part (members) or at 0
         own_start = np.where(not_member, 0, prefix) if shared else np.zeros(n, dtype=np.int64)
@@ -285,10 +296,13 @@ class TorchAttention:
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, sliding_window: int | None = None, k_scale: float = 1.0,
-                v_scale: float = 1.0, softcap: float | None = None) -> torch.Tensor:
+                v_scale: float = 1.0, softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """query [T, H, D], key/value [T, Hkv, D] -> [T, H, D]; writes key/value first
         (None: the caller has written them). k_scale, v_scale: an FP8 cache's scales;
-        softcap: scores become softcap * tanh(scores / softcap) (no C kernel then)."""
+        softcap: scores become softcap * tanh(scores / softcap) (no C kernel then); sinks
+        [H]: a logit per query head added to the softmax's denominator (no C kernel nor
+        cascade then)."""
         if key is not None:
             write_kv(key, value, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         num_tokens, num_heads, head_dim = query.shape
@@ -307,12 +321,15 @@ class TorchAttention:
             return (fp8.dequantize(k.view(cache_dtype), k_scale, query.dtype),
                     fp8.dequantize(v.view(cache_dtype), v_scale, query.dtype))
 
-        decode_kernel = softcap is None and self._uses(cpu.decode, query, num_kv_heads,
-                                                       cache_dtype)
+        decode_kernel = softcap is None and sinks is None \
+            and self._uses(cpu.decode, query, num_kv_heads, cache_dtype)
         prefill_kernel = decode_kernel and self._uses(cpu.prefill, query, num_kv_heads,
                                                       cache_dtype)
         plan = self._plan(meta, sliding_window, query.dtype, head_dim, decode_kernel,
-                          prefill_kernel)
+                          prefill_kernel, cascade=sinks is None)
+        # the sinks as each call's rows hold the heads: decodes [Hkv, G], prefill [H, 1]
+        decode_sink = sinks.view(num_kv_heads, group) if sinks is not None else None
+        prefill_sink = sinks.view(num_heads, 1) if sinks is not None else None
         cascade = plan.shared_slots is not None
 
         def gather(slots: torch.Tensor, shape: tuple[int, ...]):
@@ -366,7 +383,7 @@ class TorchAttention:
         for a, b, slots, width, mask in plan.decode_groups:
             k, v = gather(slots, (b - a, width))
             o, l = _attention_with_lse(q[a:b], k.transpose(1, 2), v.transpose(1, 2), mask, scale,
-                                       softcap=softcap)
+                                       softcap=softcap, sink=decode_sink)
             out[a:b] = o
             if cascade:
                 lse[a:b] = l
@@ -387,7 +404,8 @@ class TorchAttention:
                 def attend(a: int, b: int, causal: bool):  # keys [a, b) of the group
                     o, l = _attention_with_lse(qi, k_all[a:b].transpose(0, 1)[None],
                                                v_all[a:b].transpose(0, 1)[None], mask, scale,
-                                               causal=causal, softcap=softcap)
+                                               causal=causal, softcap=softcap,
+                                               sink=prefill_sink)
                     return o[0].transpose(0, 1), l[0].transpose(0, 1).reshape(
                         end - start, num_kv_heads, group)
 

@@ -5,8 +5,8 @@ and query scale defaults, Qwen2's q/k/v biases, Qwen3's and Gemma 3's per-head q
 Gemma 2's and 3's norms, sandwich layers and scaled embeddings, Gemma 2's tanh soft-capping
 of attention scores and final logits, which layers see a sliding window,
 each layer's rope settings (Gemma 3: its own per layer type) and the mixture-of-experts
-blocks of Mixtral, Qwen3-MoE, GLM-4.5 and DeepSeek-V3 (DeepSeekMoE routing), and
-DeepSeek-V3's multi-head latent attention (MLAConfig). A vision-language checkpoint gives
+blocks of Mixtral, Qwen3-MoE, GLM-4.5 and DeepSeek-V3 (DeepSeekMoE routing) and gpt-oss,
+gpt-oss's attention sinks, and DeepSeek-V3's multi-head latent attention (MLAConfig). A vision-language checkpoint gives
 its text decoder's.
 """
 from __future__ import annotations
@@ -47,6 +47,9 @@ ARCHITECTURES = {
     "Glm4MoeForCausalLM": _Arch(o_proj_bias=False),
     # multi-head latent attention (batchinfer.model.mla), DeepSeekMoE as GLM-4.5's
     "DeepseekV3ForCausalLM": _Arch(),
+    # attention sinks, q/k/v/o biases, sliding and full layers, YaRN; experts with biases
+    # and a clamped SwiGLU, routed by a softmax over the top k router logits
+    "GptOssForCausalLM": _Arch(sliding="layer_types"),
 }
 # the architecture of a config that names none, by its model_type
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -54,7 +57,8 @@ _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                   "gemma3_text": "Gemma3ForCausalLM",
                   "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                  "glm4_moe": "Glm4MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+                  "glm4_moe": "Glm4MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                  "gpt_oss": "GptOssForCausalLM"}
 # vision-language checkpoints whose text decoder runs here (text prompts only)
 LANGUAGE_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 
@@ -77,7 +81,12 @@ class MoEConfig:
     # (e_score_correction_bias) among the top topk_groups of num_groups expert groups (a
     # group scored by its two best), the weights scaled by routed_scaling_factor, and
     # shared experts (one MLP of num_shared_experts x intermediate_size) on every token
-    scoring: str = "softmax"       # "softmax" or "sigmoid"
+    scoring: str = "softmax"       # "softmax", "sigmoid" or "topk_softmax" (gpt-oss)
+    # gpt-oss: a softmax over the top k router logits (scoring "topk_softmax"), biases on
+    # the router and the experts, and the experts' SwiGLU with clamped inputs:
+    # (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
     num_groups: int = 1
     topk_groups: int = 1
     routed_scaling_factor: float = 1.0
@@ -133,6 +142,8 @@ class ModelConfig:
     eos_token_id: int | list[int] | None
     quantization: Fp8Scheme | None = None  # FP8 linear layers (batchinfer.model.quantization)
     mla: MLAConfig | None = None  # multi-head latent attention (head_dim: the rotated part)
+    # a learned logit per query head added to each softmax's denominator (gpt-oss)
+    attention_sinks: bool = False
 
     @property
     def kv_elements_per_token(self) -> int:
@@ -209,6 +220,7 @@ class ModelConfig:
             eos_token_id=eos if eos is not None else getattr(config, "eos_token_id", None),
             quantization=scheme,
             mla=mla,
+            attention_sinks=config.model_type == "gpt_oss",
         )
 
 
@@ -313,7 +325,14 @@ def _mla(config) -> MLAConfig | None:
 
 
 def _moe(config) -> MoEConfig | None:
-    """The experts of Mixtral (every layer), Qwen3-MoE or GLM-4.5 (see _moe_layer)."""
+    """The experts of Mixtral (every layer), Qwen3-MoE, GLM-4.5 (see _moe_layer) or
+    gpt-oss (every layer)."""
+    if getattr(config, "model_type", None) == "gpt_oss":
+        return MoEConfig(config.num_local_experts, config.num_experts_per_tok,
+                         config.intermediate_size, normalize=False,
+                         weights_in_model_dtype=True, scoring="topk_softmax",
+                         swiglu_limit=float(config.swiglu_limit),
+                         swiglu_alpha=float(config.swiglu_alpha))
     if getattr(config, "n_routed_experts", None):  # DeepSeekMoE
         groups = getattr(config, "n_group", None) or 1
         if config.n_routed_experts % groups:

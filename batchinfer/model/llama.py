@@ -1,6 +1,6 @@
 """The Llama-family decoder (Llama 2/3, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Phi-3,
-Gemma 2, Gemma 3, GLM-4.5; DeepSeek-V3 with batchinfer.model.mla's attention) as plain
-PyTorch.
+Gemma 2, Gemma 3, GLM-4.5, gpt-oss; DeepSeek-V3 with batchinfer.model.mla's attention) as
+plain PyTorch.
 
 Tokens are flat ([num_tokens, hidden]) with no padding; attention reads and writes the
 paged KV cache through the step's AttentionMetadata. The architectures' differences are
@@ -16,14 +16,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchinfer.attention import AttentionMetadata
-from batchinfer.model import cpu_linear, fp8, ops
+from batchinfer.model import cpu_linear, fp8, mxfp4, ops
 from batchinfer.model.config import LayerConfig, ModelConfig
 from batchinfer.model.quantization import LinearQuant
 from batchinfer.model.mla import MLAttention
-from batchinfer.model.moe import EXPERT_TENSOR, SparseMoE, mixtral_name, moe_block
+from batchinfer.model.moe import (EXPERT_TENSOR, FUSED_EXPERT_TENSOR, SparseMoE, mixtral_name,
+                                  moe_block)
 from batchinfer.model.parallel import (ColumnParallelLinear, ParallelLMHead, PipelineParallel,
-                                       QKVParallelLinear, RowParallelLinear,
-                                       VocabParallelEmbedding, stage_layers)
+                                       QKVParallelLinear, RowParallelLinear, TensorParallel,
+                                       VocabParallelEmbedding, _shard, stage_layers)
 from batchinfer.model.rope import RotaryEmbedding, partial_rotary_order, rotary_dim
 from batchinfer.model.weights import CheckpointTensor
 
@@ -84,6 +85,14 @@ class Attention(nn.Module):
         self.k_norm = norm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.sliding_window = layer.sliding_window
         self.softcap = config.attn_softcap
+        # gpt-oss: a logit per query head (this rank's) added to each softmax's denominator
+        self.sinks = None
+        if config.attention_sinks:
+            if getattr(backend, "name", "torch") != "torch":
+                raise ValueError(f"{config.architecture}'s attention sinks are not implemented "
+                                 f"in the {backend.name} attention backend; use "
+                                 "attention_backend='torch'")
+            self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
         # partial rotary embeddings: q and k heads are stored with their dimensions reordered
         self.rotary_order = partial_rotary_order(
             rotary_dim(config.rope[layer.rope], self.head_dim), self.head_dim)
@@ -93,6 +102,13 @@ class Attention(nn.Module):
         # an FP8 KV cache's scales (batchinfer.model.kv_scales; kernels/fp8.py): it stores
         # k / k_scale and v / v_scale
         self.k_scale = self.v_scale = 1.0
+
+    def load_shard(self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: int) -> None:
+        """The sinks of this rank's query heads."""
+        if loaded.shape[0] != self.num_heads * TensorParallel.size:
+            raise ValueError(f"has shape {list(loaded.shape)}, expected "
+                             f"[{self.num_heads * TensorParallel.size}]")
+        param.data.copy_(_shard(loaded, 0).read())
 
     def cache_layout(self) -> tuple[int, int, int]:
         """(caches per layer, heads, dim): a key and a value cache of this rank's KV heads."""
@@ -128,9 +144,10 @@ class Attention(nn.Module):
         # k and v come back None where they were written to the cache with the rotation
         q, k, v = ops.rope_and_cache(qk, v, *rope, self.num_heads, meta.slot_mapping, kv_cache,
                                      self.k_scale, self.v_scale)
+        extra = {} if self.sinks is None else {"sinks": self.sinks}
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
                                    self.sliding_window, self.k_scale, self.v_scale,
-                                   self.softcap)
+                                   self.softcap, **extra)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -332,6 +349,7 @@ class CausalLM(nn.Module):
         if self.config.mla is not None:  # its q_proj is a layer of its own
             del fused["q_proj"], fused["k_proj"], fused["v_proj"]
         experts: dict[str, SparseMoE] = {}
+        mxfp4_parts: dict[str, dict[str, CheckpointTensor]] = {}  # blocks or scales seen
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
@@ -340,7 +358,30 @@ class CausalLM(nn.Module):
             name = self.stage_name(name)
             if name is None:  # another pipeline stage's
                 continue
-            name = mixtral_name(name)
+            name = mixtral_name(name).replace(".mlp.router.", ".mlp.gate.")  # gpt-oss's
+            fused_expert = FUSED_EXPERT_TENSOR.fullmatch(name)
+            if fused_expert is not None:
+                block = self.get_submodule(fused_expert.group(1))
+                if not isinstance(block, SparseMoE):
+                    raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+                projection, suffix = fused_expert.group(2), fused_expert.group(3)
+                try:
+                    if suffix in ("_blocks", "_scales"):  # MXFP4: dequantized once both read
+                        packed = mxfp4_parts.setdefault(name.removesuffix(suffix), {})
+                        packed[suffix] = tensor
+                        if len(packed) < 2:
+                            continue
+                        tensor = mxfp4.dequantize(packed["_blocks"].read(),
+                                                  packed["_scales"].read(),
+                                                  block.w2.dtype)
+                        suffix = ""
+                    block.load_fused_experts(projection, suffix, tensor)
+                except ValueError as e:
+                    raise ValueError(f"checkpoint tensor {name!r} {e}") from None
+                experts[fused_expert.group(1)] = block
+                loaded.update(f"{fused_expert.group(1)}.{p}" for p, _ in block.named_parameters()
+                              if not p.startswith(("gate.", "shared_experts.")))
+                continue
             expert = EXPERT_TENSOR.fullmatch(name)
             if expert is not None:
                 block = self.get_submodule(expert.group(1))

@@ -1,4 +1,4 @@
-"""Sparse mixture-of-experts feed-forward blocks (Mixtral, Qwen3-MoE, GLM-4.5).
+"""Sparse mixture-of-experts feed-forward blocks (Mixtral, Qwen3-MoE, GLM-4.5, gpt-oss).
 
 A router picks each token's top-k experts: by softmax (Mixtral, Qwen3-MoE), or as
 DeepSeekMoE does (GLM-4.5): sigmoid scores, chosen with a learned bias added among the best
@@ -10,6 +10,13 @@ just those rows; the outputs, scaled by the routing weights, are added into the 
 ascending expert order, as transformers' eager experts do, so float32 results match its
 sums. With tensor parallelism every rank holds a slice of every expert's intermediate
 dimension and the partial results are summed by one all-reduce per layer.
+
+gpt-oss's block (scoring "topk_softmax") differs: the router has a bias and its weights are
+a softmax over the top k logits; the experts have biases (the down projection's added on
+rank 0 only under tensor parallelism) and a clamped SwiGLU (MoEConfig.swiglu_limit); the
+checkpoint stores all experts of a layer as one tensor per projection, gate and up
+interleaved by column (load_fused_experts), or as MXFP4 blocks and scales dequantized at
+load (batchinfer.model.mxfp4). It runs the loop over the experts on every device.
 
 On CUDA the experts run as two grouped Triton products (kernels/triton/fused_moe.py) planned
 without host synchronisation, so decode steps are captured in CUDA graphs. Elsewhere a loop
@@ -38,17 +45,23 @@ from batchinfer.model.weights import CheckpointTensor
 # a checkpoint's per-expert tensor: (block).experts.(e).(projection).(weight or an FP8 scale)
 EXPERT_TENSOR = re.compile(r"(.+)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\."
                            r"(weight|weight_scale|weight_scale_inv|input_scale)")
+# gpt-oss's: all experts of a block in one tensor per projection, its bias, or MXFP4 parts
+FUSED_EXPERT_TENSOR = re.compile(r"(.+)\.experts\.(gate_up_proj|down_proj)"
+                                 r"(|_bias|_blocks|_scales)")
 
 
 class Router(nn.Module):
     """The routing logits' weights; DeepSeekMoE's (sigmoid scoring) in float32, with the
     correction bias of its scores."""
 
-    def __init__(self, num_experts: int, hidden_size: int, sigmoid: bool = False):
+    def __init__(self, num_experts: int, hidden_size: int, sigmoid: bool = False,
+                 bias: bool = False):
         super().__init__()
         if not sigmoid:
             self.weight = nn.Parameter(torch.empty(num_experts, hidden_size),
                                        requires_grad=False)
+            self.bias = (nn.Parameter(torch.empty(num_experts), requires_grad=False)
+                         if bias else None)
             return
         self.weight = _fp8_parameter(torch.empty(num_experts, hidden_size))  # kept float32
         self.e_score_correction_bias = _fp8_parameter(torch.zeros(num_experts))
@@ -66,7 +79,12 @@ class SparseMoE(nn.Module):
         self.intermediate = intermediate_size // TensorParallel.size
         # DeepSeekMoE's routing settings (scoring "sigmoid"); None: softmax routing
         self.routing = routing if routing is not None and routing.scoring == "sigmoid" else None
-        self.gate = Router(num_experts, hidden_size, sigmoid=self.routing is not None)
+        # gpt-oss's: (limit, alpha) of its clamped SwiGLU; None: SiLU-gated experts
+        self.swiglu = None
+        if routing is not None and routing.scoring == "topk_softmax":
+            self.swiglu = (routing.swiglu_limit, routing.swiglu_alpha)
+        self.gate = Router(num_experts, hidden_size, sigmoid=self.routing is not None,
+                           bias=self.swiglu is not None)
         self.shared_experts = shared_experts
         # per expert: [gate; up] rows, and down
         self.quant = quant
@@ -77,6 +95,14 @@ class SparseMoE(nn.Module):
                                    requires_grad=False)
         else:
             self._init_fp8(quant, hidden_size, intermediate_size)
+        # gpt-oss's expert biases: [E, 2n] ([gate; up], this rank's) and [E, hidden]
+        self.b13 = self.b2 = None
+        if self.swiglu is not None:
+            if quant is not None:
+                raise ValueError("FP8 experts are not supported for gpt-oss")
+            self.b13 = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate),
+                                    requires_grad=False)
+            self.b2 = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
         self.loaded: set[tuple[int, str]] = set()
         # the grouped Triton products: on CUDA (None: decided by the device)
         self.use_fused: bool | None = None
@@ -170,8 +196,42 @@ class SparseMoE(nn.Module):
         weight.data[expert, rows].copy_(part.to(weight.dtype))
         self.loaded.add((expert, projection))
 
+    def load_fused_experts(self, projection: str, suffix: str,
+                           loaded: CheckpointTensor | torch.Tensor) -> None:
+        """gpt-oss's experts as its checkpoint stores them: gate_up_proj [E, hidden, 2n]
+        (gate and up interleaved by column) and down_proj [E, n, hidden], products from
+        the right, or their biases (suffix "_bias": [E, 2n], interleaved likewise, and
+        [E, hidden]). A tensor here may also be one batchinfer.model.mxfp4 dequantized."""
+        if self.swiglu is None:
+            raise ValueError("is a fused experts tensor, which only gpt-oss's blocks take")
+        e, n, hidden = self.num_experts, self.intermediate, self.w2.shape[1]
+        full_n = n * TensorParallel.size
+        down = projection == "down_proj"
+        bias = suffix == "_bias"
+        expected = ([e, hidden] if down else [e, 2 * full_n]) if bias \
+            else [e, full_n, hidden] if down else [e, hidden, 2 * full_n]
+        if list(loaded.shape) != expected:
+            raise ValueError(f"has shape {list(loaded.shape)}, expected {expected}")
+        data = loaded if isinstance(loaded, torch.Tensor) else loaded.read()
+        part = slice(TensorParallel.rank * n, (TensorParallel.rank + 1) * n)
+        if down and bias:
+            self.b2.data.copy_(data)
+        elif down:  # [E, n, hidden] -> this rank's [E, hidden, n]
+            self.w2.data.copy_(data[:, part].transpose(1, 2))
+        else:
+            gate, up = data[..., 0::2], data[..., 1::2]
+            if bias:
+                self.b13.data.copy_(torch.cat([gate[:, part], up[:, part]], dim=1))
+            else:  # [E, hidden, n] each -> [E, 2n, hidden]
+                self.w13.data.copy_(torch.cat([gate[..., part], up[..., part]],
+                                              dim=2).transpose(1, 2))
+        names = ("down_proj",) if down else ("gate_proj", "up_proj")
+        self.loaded.update((expert, name + (" bias" if bias else ""))
+                           for expert in range(e) for name in names)
+
     def missing_experts(self) -> list[str]:
-        kinds = ("", " scale") if self.quant is not None else ("",)
+        kinds = ("", " scale") if self.quant is not None else \
+            ("", " bias") if self.swiglu is not None else ("",)
         return [f"expert {e} {p}{k}" for e in range(self.num_experts)
                 for p in ("gate_proj", "up_proj", "down_proj") for k in kinds
                 if (e, p + k) not in self.loaded]
@@ -180,6 +240,10 @@ class SparseMoE(nn.Module):
         """(routing weights [T, top_k], experts [T, top_k]) of the tokens x [T, hidden]."""
         if self.routing is not None:
             return self._route_grouped(x)
+        if self.swiglu is not None:  # gpt-oss: a softmax over the top k logits
+            logits = F.linear(x, self.gate.weight, self.gate.bias)
+            top, experts = torch.topk(logits, self.top_k, dim=-1)
+            return torch.softmax(top, dim=-1), experts
         logits = F.linear(x, self.gate.weight)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
@@ -230,15 +294,34 @@ class SparseMoE(nn.Module):
         ends = list(itertools.accumulate(counts))
         spans = [(e, end - n, end) for e, (n, end) in enumerate(zip(counts, ends)) if n]
         gate_up = torch.cat([self._product(e, 0, rows[a:b]) for e, a, b in spans])
-        h = F.silu(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:]
+        if self.swiglu is not None:
+            gate_up = gate_up + self._expert_bias(self.b13, counts)
+            h = self._clamped_swiglu(gate_up)
+        else:
+            h = F.silu(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:]
         y = torch.cat([self._product(e, 1, h[a:b]) for e, a, b in spans])
+        if self.swiglu is not None and TensorParallel.rank == 0:
+            y = y + self._expert_bias(self.b2, counts)
         y = y * weights.flatten()[order, None]
         # rows in expert order: each token's choices are added in ascending expert order
         out = torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))
         return TensorParallel.all_reduce(out)
 
+    def _expert_bias(self, bias: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Each row's expert's bias, the rows grouped by expert (counts rows each)."""
+        return torch.repeat_interleave(bias, torch.tensor(counts, device=bias.device), dim=0)
+
+    def _clamped_swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gpt-oss's activation of [gate | up] rows."""
+        limit, alpha = self.swiglu
+        gate = gate_up[:, :self.intermediate].clamp(max=limit)
+        up = gate_up[:, self.intermediate:].clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
     def fused(self, x: torch.Tensor) -> bool:
-        if self.quant is not None:  # FP8 experts run one product each (fp8.linear)
+        if self.quant is not None or self.swiglu is not None:
+            # FP8 experts run one product each (fp8.linear); the fused kernel has no
+            # biases nor gpt-oss's activation
             return False
         if self.use_fused is not None:
             if self.use_fused and self.packed_experts is not None:

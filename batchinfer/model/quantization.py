@@ -14,7 +14,9 @@ on-disk forms are recognised, as the hub ships them:
   (a multiplier despite its name), or without a block size `weight_scale` per tensor;
   `ignored_layers` / `modules_to_not_convert` stay.
 
-Any other method (AWQ, GPTQ, bitsandbytes, int8 compressed-tensors, ...) is refused by name.
+gpt-oss's `mxfp4` experts are dequantized at load to the model's dtype (batchinfer.model.mxfp4)
+and the model runs unquantized. Any other method (AWQ, GPTQ, bitsandbytes, int8
+compressed-tensors, ...) is refused by name.
 """
 from __future__ import annotations
 
@@ -91,6 +93,11 @@ def quantization_scheme(hf_config: Any, text_config: Any, quantization: str | No
         return Fp8Scheme("fp8-online", LinearQuant(None, "weight_scale", False, None, True))
     quant = quant if isinstance(quant, dict) else quant.to_dict()
     method = quant.get("quant_method")
+    if method == "mxfp4" and getattr(text_config, "model_type", None) == "gpt_oss":
+        if quantization is not None:
+            raise ValueError("the checkpoint's experts are MXFP4, dequantized at load; "
+                             "drop --quantization / quantization=")
+        return None  # the experts are dequantized at load (batchinfer.model.mxfp4)
     if method not in FP8_METHODS:
         raise ValueError(f"the checkpoint is quantized with quantization_config.quant_method "
                          f"{str(method)!r}, which is not supported; supported: FP8 checkpoints "
