@@ -41,6 +41,7 @@ CHECKPOINTS: dict[str, dict[str, Any]] = {
     "glm4_moe": dict(shape="test-glm4-moe"),
     "deepseek_v3": dict(shape="test-deepseek-v3"),
     "deepseek_v3_no_q_lora": dict(shape={**SHAPES["test-deepseek-v3"], "q_lora_rank": None}),
+    "gpt_oss": dict(shape="test-gpt-oss"),
     "llama_legacy_rope": dict(shape="test-llama", rope_style="legacy"),
     "llama_sharded": dict(shape="test-llama", max_shard_size="200KB"),
     "llama_kv1": dict(shape=_one_kv_head("test-llama")),

@@ -144,6 +144,11 @@ def deepseek_v3_dir(checkpoint_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def gpt_oss_dir(checkpoint_root: Path) -> Path:
+    return checkpoints.build_checkpoint("gpt_oss", checkpoint_root)
+
+
+@pytest.fixture(scope="session")
 def deepseek_v3_no_q_lora_dir(checkpoint_root: Path) -> Path:
     return checkpoints.build_checkpoint("deepseek_v3_no_q_lora", checkpoint_root)
 

@@ -42,7 +42,7 @@ def _check(model_dir, **engine_args) -> LLM:
                                      "qwen3_dir", "phi3_dir", "phi4_mini_dir", "gemma2_dir",
                                      "gemma3_dir", "mixtral_dir", "qwen3_moe_dir",
                                      "glm4_moe_dir", "deepseek_v3_dir",
-                                     "deepseek_v3_no_q_lora_dir"])
+                                     "deepseek_v3_no_q_lora_dir", "gpt_oss_dir"])
 def test_matches_transformers(fixture, request):
     model_dir = request.getfixturevalue(fixture)
     llm = _check(model_dir)
@@ -88,6 +88,12 @@ def test_preemption_with_chunking_and_small_blocks(mistral_dir):
 
 def test_grouped_expert_routing_with_chunking_and_preemption(glm4_moe_dir):
     llm = _check(glm4_moe_dir, num_kv_blocks=48, max_num_batched_tokens=64)
+    assert llm.stats()["num_preemptions"] > 0
+
+
+def test_attention_sinks_with_chunking_and_preemption(gpt_oss_dir):
+    # gpt-oss: sinks, sliding windows shorter than the chunks, biased experts
+    llm = _check(gpt_oss_dir, num_kv_blocks=48, max_num_batched_tokens=64)
     assert llm.stats()["num_preemptions"] > 0
 
 
