@@ -110,7 +110,10 @@ class ModelRunner:
         elif device.type == "cuda" and device.index is not None:
             # Triton launches, graph capture and synchronize() use the current device
             torch.cuda.set_device(device)
-        self.backend = get_attention_backend(config.attention_backend, device)
+        backend = config.attention_backend
+        if backend == "auto" and model_config.attention_sinks:
+            backend = "torch"  # attention sinks (gpt-oss) are implemented there only
+        self.backend = get_attention_backend(backend, device)
         # a first run on this machine builds the C kernels, while the weights load (one
         # rank builds them; the others find them built, or build what they use)
         kernels = (cpu_build.start_build_all(_say) if device.type == "cpu"
