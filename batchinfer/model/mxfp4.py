@@ -27,11 +27,15 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
         raise ValueError(f"MXFP4 blocks {list(blocks.shape)} and scales {list(scales.shape)} "
                          f"do not match ([E, rows, groups, {GROUP // 2}] and [E, rows, groups])")
     table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
-    values = torch.stack([table[(blocks & 0x0F).long()], table[(blocks >> 4).long()]], dim=-1)
-    values = values.flatten(-2)  # [E, rows, groups, 32], elements in order
-    exponents = scales.to(torch.int32) - 127
-    values = torch.ldexp(values, exponents[..., None])
-    return values.flatten(-2).to(dtype).transpose(1, 2).contiguous()
+    e, rows, groups, _ = blocks.shape
+    out = torch.empty(e, groups * GROUP, rows, dtype=dtype, device=blocks.device)
+    for expert in range(e):  # one expert's float32 temporaries at a time
+        codes = blocks[expert]
+        values = torch.stack([table[(codes & 0x0F).long()], table[(codes >> 4).long()]],
+                             dim=-1).flatten(-2)  # [rows, groups, 32], elements in order
+        values = torch.ldexp(values, (scales[expert].to(torch.int32) - 127)[..., None])
+        out[expert] = values.flatten(-2).t()
+    return out
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

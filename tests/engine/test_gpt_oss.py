@@ -135,3 +135,35 @@ def test_mxfp4_checkpoint_equals_its_dequantized_float_model(tmp_path):
     expected = _greedy(reference, prompts)
     assert _greedy(quantized, prompts) == expected
     assert expected != _greedy(src, prompts)  # the rounding is large enough to show
+
+
+def test_tensor_parallel_ranks_hold_their_heads_sinks_and_expert_slices(gpt_oss_dir,
+                                                                       monkeypatch):
+    from transformers import AutoConfig
+    from batchinfer.attention import get_attention_backend
+    from batchinfer.model.loader import load_model
+    from batchinfer.model.parallel import TensorParallel
+
+    def load(rank: int, size: int):
+        config = ModelConfig.from_hf(AutoConfig.from_pretrained(gpt_oss_dir))
+        with monkeypatch.context() as m:
+            m.setattr(TensorParallel, "rank", rank)
+            m.setattr(TensorParallel, "size", size)
+            return load_model(gpt_oss_dir, config,
+                              get_attention_backend("torch", torch.device("cpu")),
+                              torch.float32, torch.device("cpu"))
+
+    full = load(0, 1)
+    for rank in range(2):
+        part = load(rank, 2)
+        for whole, mine in zip(full.model.layers, part.model.layers):
+            heads = slice(2 * rank, 2 * rank + 2)
+            assert torch.equal(mine.self_attn.sinks, whole.self_attn.sinks[heads])
+            n = 24  # of the experts' 48
+            gate, up = slice(rank * n, (rank + 1) * n), slice(48 + rank * n, 48 + (rank + 1) * n)
+            w, m = whole.mlp, mine.mlp
+            assert torch.equal(m.w13, torch.cat([w.w13[:, gate], w.w13[:, up]], dim=1))
+            assert torch.equal(m.b13, torch.cat([w.b13[:, gate], w.b13[:, up]], dim=1))
+            assert torch.equal(m.w2, w.w2[:, :, gate])
+            assert torch.equal(m.b2, w.b2)
+            assert torch.equal(m.gate.bias, w.gate.bias)
