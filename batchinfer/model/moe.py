@@ -51,8 +51,8 @@ FUSED_EXPERT_TENSOR = re.compile(r"(.+)\.experts\.(gate_up_proj|down_proj)"
 
 
 class Router(nn.Module):
-    """The routing logits' weights; DeepSeekMoE's (sigmoid scoring) in float32, with the
-    correction bias of its scores."""
+    """The routing logits' weights (and gpt-oss's bias); DeepSeekMoE's (sigmoid scoring) in
+    float32, with the correction bias of its scores."""
 
     def __init__(self, num_experts: int, hidden_size: int, sigmoid: bool = False,
                  bias: bool = False):
