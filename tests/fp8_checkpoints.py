@@ -15,7 +15,9 @@ import torch
 
 FP8 = torch.float8_e4m3fn
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-           "qkv_proj", "gate_up_proj", "w1", "w2", "w3")  # w1-w3: Mixtral's experts
+           "qkv_proj", "gate_up_proj", "w1", "w2", "w3",  # w1-w3: Mixtral's experts
+           # DeepSeek-V3's latent attention (its latent norms and router stay unquantized)
+           "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 
 # form -> (how weights are scaled, the quantization_config written to config.json)
 FORMS = {

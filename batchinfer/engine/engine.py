@@ -499,9 +499,6 @@ def _check_mla(config: EngineConfig, model_config: ModelConfig) -> None:
         raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size}: multi-head "
                          f"latent attention ({model_config.architecture}) runs on one rank "
                          "only for now; use tensor_parallel_size 1")
-    if model_config.quantization is not None:
-        raise ValueError(f"FP8 weights with multi-head latent attention "
-                         f"({model_config.architecture}) are not supported yet")
     if config.kv_cache_dtype != "auto":
         raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype!r}: multi-head latent "
                          f"attention ({model_config.architecture}) keeps its latent cache in "

@@ -8,7 +8,8 @@ W_UK [nope, kv_lora_rank] and W_UV [v_head_dim, kv_lora_rank],
     score = (q_nope W_UK) . c + q_pe . k_pe        out = (softmax(score) c) W_UV^T
 
 which equals attention over k = [c W_UK^T, k_pe] and v = c W_UV^T. Scores and softmax
-are float32. Each sequence's context is gathered from the cache through its block table,
+are float32. In an FP8 checkpoint every projection stays FP8 but kv_b_proj, which is
+dequantized to the model's dtype as it loads (its weight is only used split per head). Each sequence's context is gathered from the cache through its block table,
 one sequence at a time (the model is not captured in CUDA graphs).
 """
 from __future__ import annotations
@@ -18,8 +19,11 @@ import torch
 from torch import nn
 
 from batchinfer.attention import AttentionMetadata
+from batchinfer.model import fp8
 from batchinfer.model.config import LayerConfig, ModelConfig
-from batchinfer.model.parallel import ColumnParallelLinear, RowParallelLinear, _parameter
+from batchinfer.model.parallel import (ColumnParallelLinear, RowParallelLinear, _fp8_parameter,
+                                       _parameter)
+from batchinfer.model.quantization import LinearQuant
 from batchinfer.model.rope import apply_rotary
 
 # transformers' DeepseekV3RMSNorm default, which the q and kv latent norms keep
@@ -27,11 +31,43 @@ LATENT_NORM_EPS = 1e-6
 
 
 class Weight(nn.Module):
-    """A weight read whole and used in products of its own (never packed for the CPU)."""
+    """A weight read whole and used in products of its own (never packed for the CPU), in
+    the model's dtype. With `quant` (an FP8 checkpoint's layer) the checkpoint's FP8 weight
+    and its scale wait for each other, then the weight they stand for is stored and the
+    scale dropped."""
 
-    def __init__(self, rows: int, cols: int):
+    def __init__(self, rows: int, cols: int, quant: LinearQuant | None = None):
         super().__init__()
         self.weight = _parameter(torch.empty(rows, cols))
+        self.weight_scale = None
+        if quant is not None and not quant.online:
+            self.block = quant.block
+            self.group_size = quant.block[1] if quant.block else cols
+            self.weight_scale = _fp8_parameter(
+                torch.ones(rows, fp8.num_groups(cols, self.group_size), dtype=torch.float32))
+        self._fp8_weight: torch.Tensor | None = None
+        self._scale_loaded = False
+
+    def load_shard(self, param: nn.Parameter, loaded, shard_id: int = 0) -> None:
+        if param is self.weight:
+            if tuple(loaded.shape) != tuple(param.shape):
+                raise ValueError(f"has shape {list(loaded.shape)}, expected {list(param.shape)}")
+            rows = loaded.read()
+            if rows.dtype != fp8.FP8:
+                param.data.copy_(rows)
+                return
+            if self.weight_scale is None:
+                raise ValueError("is float8_e4m3fn, but the checkpoint's quantization_config "
+                                 "leaves this layer unquantized")
+            self._fp8_weight = rows
+        else:
+            param.data.copy_(fp8.rows_from_checkpoint(loaded.read(), param.shape[0],
+                                                      self.block, param.shape[1]))
+            self._scale_loaded = True
+        if self._fp8_weight is not None and self._scale_loaded:
+            self.weight.data.copy_(fp8.dequantize(self._fp8_weight, self.weight_scale,
+                                                  self.group_size, self.weight.dtype))
+            self._fp8_weight, self.weight_scale = None, None
 
 
 class MLAttention(nn.Module):
@@ -47,20 +83,30 @@ class MLAttention(nn.Module):
         self.rope_interleave = mla.rope_interleave
         self.scale = config.attention_scale
         hidden, q_out = config.hidden_size, self.num_heads * (self.nope + self.rope_dim)
+
+        def quant(name: str) -> LinearQuant | None:
+            if config.quantization is None:
+                return None
+            return config.quantization.linear_quant([f"{prefix}.{name}"])
+
         if mla.q_lora_rank is None:
             self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
-            self.q_proj = ColumnParallelLinear(hidden, [q_out])
+            self.q_proj = ColumnParallelLinear(hidden, [q_out], quant=quant("q_proj"))
         else:
             self.q_proj = None
-            self.q_a_proj = ColumnParallelLinear(hidden, [mla.q_lora_rank], config.qkv_bias)
+            self.q_a_proj = ColumnParallelLinear(hidden, [mla.q_lora_rank], config.qkv_bias,
+                                                 quant("q_a_proj"))
             self.q_a_layernorm = norm(mla.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, [q_out])
+            self.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, [q_out],
+                                                 quant=quant("q_b_proj"))
         self.kv_a_proj_with_mqa = ColumnParallelLinear(hidden, [self.latent_dim],
-                                                       config.qkv_bias)
+                                                       config.qkv_bias,
+                                                       quant("kv_a_proj_with_mqa"))
         self.kv_a_layernorm = norm(self.kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = Weight(self.num_heads * (self.nope + self.v_dim), self.kv_lora_rank)
+        self.kv_b_proj = Weight(self.num_heads * (self.nope + self.v_dim), self.kv_lora_rank,
+                                quant("kv_b_proj"))
         self.o_proj = RowParallelLinear(self.num_heads * self.v_dim, hidden,
-                                        bias=config.o_proj_bias)
+                                        bias=config.o_proj_bias, quant=quant("o_proj"))
 
     def cache_layout(self) -> tuple[int, int, int]:
         """(caches per layer, heads, dim): one latent row per token."""
@@ -80,10 +126,12 @@ class MLAttention(nn.Module):
         q_rows = (torch.arange(self.num_heads)[:, None] * head + self.nope + order).flatten()
         kv_rows = self.kv_lora_rank + order
         for proj, rows in ((q_proj, q_rows), (self.kv_a_proj_with_mqa, kv_rows)):
-            for param in (proj.weight, proj.bias):
+            for param in (proj.weight, proj.bias, getattr(proj, "weight_scale", None)):
                 if param is not None:
                     rows = rows.to(param.device)
-                    param.data[rows.sort().values] = param.data[rows]
+                    # FP8 rows moved as bytes (indexing float8 tensors is not on every device)
+                    data = param.data.view(torch.uint8) if param.dtype == fp8.FP8 else param.data
+                    data[rows.sort().values] = data[rows]
 
     def forward(self, rope, hidden: torch.Tensor, meta: AttentionMetadata,
                 kv_cache) -> torch.Tensor:

@@ -63,6 +63,8 @@ def test_fp8_checkpoint_runs_its_dequantized_weights(tmp_path, llama_dir, form):
     ("qwen3_moe_dir", "fp8-block"),                   # FP8 experts, partial blocks
     ("mixtral_dir", "compressed-tensors-channel"),    # Mixtral's expert names (w1, w2, w3)
     ("glm4_moe_dir", "fp8-block"),                    # shared experts; the router not FP8
+    ("deepseek_v3_dir", "fp8-block"),                 # latent attention; kv_b_proj dequantized
+    ("deepseek_v3_no_q_lora_dir", "fp8-block-32"),    # MLA's q_proj; blocks cut heads
 ])
 def test_fp8_checkpoints_of_other_architectures(tmp_path, request, fixture, form):
     src = request.getfixturevalue(fixture)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import fp8_checkpoints
 from batchinfer import LLM
 from batchinfer.model.config import ModelConfig
 
@@ -46,6 +47,16 @@ def test_fp8_kv_cache_is_refused(deepseek_v3_dir):
         LLM(model=str(deepseek_v3_dir), kv_cache_dtype="fp8")
 
 
-def test_fp8_weights_are_refused(deepseek_v3_dir):
-    with pytest.raises(ValueError, match="FP8 weights with multi-head latent attention"):
-        LLM(model=str(deepseek_v3_dir), quantization="fp8")
+def test_fp8_block_checkpoint_layers(tmp_path, deepseek_v3_dir):
+    # DeepSeek's FP8 form: every linear FP8 but kv_b_proj, dequantized as it loads, and the
+    # float32 router (test_fp8.py checks the outputs against the dequantized weights)
+    model = fp8_checkpoints.write_fp8(deepseek_v3_dir, tmp_path / "fp8", "fp8-block")
+    llm = LLM(model=str(model), dtype="bfloat16", num_kv_blocks=8)
+    layer = llm.llm_engine.model_runner.model.model.layers[1]
+    attn = layer.self_attn
+    for proj in (attn.q_a_proj, attn.q_b_proj, attn.kv_a_proj_with_mqa, attn.o_proj):
+        assert proj.weight.dtype == torch.float8_e4m3fn
+    assert attn.kv_b_proj.weight.dtype == torch.bfloat16 and attn.kv_b_proj.weight_scale is None
+    assert layer.mlp.gate.weight.dtype == torch.float32
+    assert layer.mlp.w13.dtype == torch.float8_e4m3fn
+    assert layer.mlp.shared_experts.down_proj.weight.dtype == torch.float8_e4m3fn
