@@ -495,10 +495,6 @@ def _check_mla(config: EngineConfig, model_config: ModelConfig) -> None:
     """Refuse the settings multi-head latent attention does not run with yet."""
     if model_config.mla is None:
         return
-    if config.tensor_parallel_size > 1:
-        raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size}: multi-head "
-                         f"latent attention ({model_config.architecture}) runs on one rank "
-                         "only for now; use tensor_parallel_size 1")
     if config.kv_cache_dtype != "auto":
         raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype!r}: multi-head latent "
                          f"attention ({model_config.architecture}) keeps its latent cache in "

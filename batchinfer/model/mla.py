@@ -8,7 +8,10 @@ W_UK [nope, kv_lora_rank] and W_UV [v_head_dim, kv_lora_rank],
     score = (q_nope W_UK) . c + q_pe . k_pe        out = (softmax(score) c) W_UV^T
 
 which equals attention over k = [c W_UK^T, k_pe] and v = c W_UV^T. Scores and softmax
-are float32. In an FP8 checkpoint every projection stays FP8 but kv_b_proj, which is
+are float32. Under tensor parallelism each rank holds its share of the heads (their rows
+of q_b_proj or q_proj and kv_b_proj, their columns of o_proj, summed by its all-reduce);
+q_a_proj, kv_a_proj_with_mqa, the latent norms and the latent cache are the same on every
+rank. In an FP8 checkpoint every projection stays FP8 but kv_b_proj, which is
 dequantized to the model's dtype as it loads (its weight is only used split per head). Each sequence's context is gathered from the cache through its block table,
 one sequence at a time (the model is not captured in CUDA graphs).
 """
@@ -21,8 +24,8 @@ from torch import nn
 from batchinfer.attention import AttentionMetadata
 from batchinfer.model import fp8
 from batchinfer.model.config import LayerConfig, ModelConfig
-from batchinfer.model.parallel import (ColumnParallelLinear, RowParallelLinear, _fp8_parameter,
-                                       _parameter)
+from batchinfer.model.parallel import (ColumnParallelLinear, RowParallelLinear, TensorParallel,
+                                       _check_divisible, _fp8_parameter, _parameter)
 from batchinfer.model.quantization import LinearQuant
 from batchinfer.model.rope import apply_rotary
 
@@ -31,13 +34,16 @@ LATENT_NORM_EPS = 1e-6
 
 
 class Weight(nn.Module):
-    """A weight read whole and used in products of its own (never packed for the CPU), in
-    the model's dtype. With `quant` (an FP8 checkpoint's layer) the checkpoint's FP8 weight
+    """A weight used in products of its own (never packed for the CPU), in the model's
+    dtype: this rank's `shard` (first row, rows) of the checkpoint's `rows`. With `quant` (an FP8 checkpoint's layer) the checkpoint's FP8 weight
     and its scale wait for each other, then the weight they stand for is stored and the
     scale dropped."""
 
-    def __init__(self, rows: int, cols: int, quant: LinearQuant | None = None):
+    def __init__(self, rows: int, cols: int, shard: tuple[int, int],
+                 quant: LinearQuant | None = None):
         super().__init__()
+        self.full_rows, self.shard = rows, shard
+        rows = shard[1]
         self.weight = _parameter(torch.empty(rows, cols))
         self.weight_scale = None
         if quant is not None and not quant.online:
@@ -50,9 +56,10 @@ class Weight(nn.Module):
 
     def load_shard(self, param: nn.Parameter, loaded, shard_id: int = 0) -> None:
         if param is self.weight:
-            if tuple(loaded.shape) != tuple(param.shape):
-                raise ValueError(f"has shape {list(loaded.shape)}, expected {list(param.shape)}")
-            rows = loaded.read()
+            full = [self.full_rows, param.shape[1]]
+            if list(loaded.shape) != full:
+                raise ValueError(f"has shape {list(loaded.shape)}, expected {full}")
+            rows = loaded.narrow(0, *self.shard).read()
             if rows.dtype != fp8.FP8:
                 param.data.copy_(rows)
                 return
@@ -61,8 +68,9 @@ class Weight(nn.Module):
                                  "leaves this layer unquantized")
             self._fp8_weight = rows
         else:
-            param.data.copy_(fp8.rows_from_checkpoint(loaded.read(), param.shape[0],
-                                                      self.block, param.shape[1]))
+            scale = fp8.rows_from_checkpoint(loaded.read(), self.full_rows, self.block,
+                                             param.shape[1])
+            param.data.copy_(scale.narrow(0, *self.shard))
             self._scale_loaded = True
         if self._fp8_weight is not None and self._scale_loaded:
             self.weight.data.copy_(fp8.dequantize(self._fp8_weight, self.weight_scale,
@@ -75,14 +83,16 @@ class MLAttention(nn.Module):
                  prefix: str):
         super().__init__()
         mla = config.mla
-        self.num_heads = config.num_attention_heads
+        _check_divisible(config.num_attention_heads, "num_attention_heads")
+        heads = config.num_attention_heads
+        self.num_heads = heads // TensorParallel.size  # this rank's
         self.nope, self.rope_dim, self.v_dim = (mla.qk_nope_head_dim, mla.qk_rope_head_dim,
                                                 mla.v_head_dim)
         self.kv_lora_rank = mla.kv_lora_rank
         self.latent_dim = mla.latent_dim
         self.rope_interleave = mla.rope_interleave
         self.scale = config.attention_scale
-        hidden, q_out = config.hidden_size, self.num_heads * (self.nope + self.rope_dim)
+        hidden, q_out = config.hidden_size, heads * (self.nope + self.rope_dim)
 
         def quant(name: str) -> LinearQuant | None:
             if config.quantization is None:
@@ -95,17 +105,20 @@ class MLAttention(nn.Module):
         else:
             self.q_proj = None
             self.q_a_proj = ColumnParallelLinear(hidden, [mla.q_lora_rank], config.qkv_bias,
-                                                 quant("q_a_proj"))
+                                                 quant("q_a_proj"),
+                                                 shards=[(0, mla.q_lora_rank)])
             self.q_a_layernorm = norm(mla.q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, [q_out],
                                                  quant=quant("q_b_proj"))
         self.kv_a_proj_with_mqa = ColumnParallelLinear(hidden, [self.latent_dim],
                                                        config.qkv_bias,
-                                                       quant("kv_a_proj_with_mqa"))
+                                                       quant("kv_a_proj_with_mqa"),
+                                                       shards=[(0, self.latent_dim)])
         self.kv_a_layernorm = norm(self.kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = Weight(self.num_heads * (self.nope + self.v_dim), self.kv_lora_rank,
-                                quant("kv_b_proj"))
-        self.o_proj = RowParallelLinear(self.num_heads * self.v_dim, hidden,
+        kv_b_rows = self.num_heads * (self.nope + self.v_dim)
+        self.kv_b_proj = Weight(heads * (self.nope + self.v_dim), self.kv_lora_rank,
+                                (TensorParallel.rank * kv_b_rows, kv_b_rows), quant("kv_b_proj"))
+        self.o_proj = RowParallelLinear(heads * self.v_dim, hidden,
                                         bias=config.o_proj_bias, quant=quant("o_proj"))
 
     def cache_layout(self) -> tuple[int, int, int]:

@@ -37,9 +37,10 @@ def test_kv_bytes_per_token(deepseek_v3_dir, llama_dir):
         2 * hf.num_hidden_layers * hf.num_key_value_heads * hf.head_dim * 4)
 
 
-def test_tensor_parallelism_is_refused(deepseek_v3_dir):
-    with pytest.raises(ValueError, match="tensor_parallel_size 2: multi-head latent attention"):
-        LLM(model=str(deepseek_v3_dir), tensor_parallel_size=2)
+def test_heads_not_divisible_by_tensor_parallel_size_are_refused(deepseek_v3_dir):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not divide the "
+                                         r"model's num_attention_heads \(4\)"):
+        LLM(model=str(deepseek_v3_dir), tensor_parallel_size=3)
 
 
 def test_fp8_kv_cache_is_refused(deepseek_v3_dir):

@@ -51,6 +51,7 @@ def _run(llm: LLM) -> tuple[list, list[float], dict]:
     ("gemma3", dict(num_kv_blocks=64)),                    # rope per layer type, sandwich norms
     ("qwen3_moe", dict(num_kv_blocks=64)),                 # experts split, a dense layer
     ("glm4_moe", dict(num_kv_blocks=64)),                  # grouped routing, shared experts
+    ("deepseek_v3", dict(num_kv_blocks=64)),               # latent attention split by heads
     ("llama", dict(num_kv_blocks=6, max_num_seqs=4)),      # preemption
 ])
 def test_two_ranks_match_one(request, model, kwargs):
@@ -84,6 +85,7 @@ REPLICATED = [GREEDY, SamplingParams(max_tokens=10, temperature=1.0, top_k=20, n
     ("llama_kv1", 2, None),
     ("llama", 4, None),                               # 2 KV heads, each on 2 ranks
     ("llama_kv1", 2, "compressed-tensors-channel"),   # FP8 weights and scale rows
+    ("deepseek_v3", 2, "compressed-tensors-channel"),  # the latent cache on every rank
 ])
 def test_replicated_kv_heads_match_one(request, tmp_path, model, size, form):
     path = request.getfixturevalue(f"{model}_dir")
