@@ -61,3 +61,17 @@ def test_fp8_block_checkpoint_layers(tmp_path, deepseek_v3_dir):
     assert layer.mlp.gate.weight.dtype == torch.float32
     assert layer.mlp.w13.dtype == torch.float8_e4m3fn
     assert layer.mlp.shared_experts.down_proj.weight.dtype == torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("fixture", ["deepseek_v3_dir", "deepseek_v3_no_q_lora_dir"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_memory_check_estimates_the_weights(request, fixture, dtype):
+    # the memory check's estimate from the config against the built model's parameters
+    from transformers import AutoConfig
+    from batchinfer.model import checks
+    from batchinfer.model.loader import build_model
+    path = request.getfixturevalue(fixture)
+    config = ModelConfig.from_hf(AutoConfig.from_pretrained(str(path)))
+    model = build_model(config, None, dtype, torch.device("cpu"), max_position=64)
+    actual = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert checks.weight_bytes(config, dtype.itemsize) == pytest.approx(actual, rel=0.03)
