@@ -211,38 +211,46 @@ def check_shapes(tensors: Iterable[tuple[str, tuple[int, ...]]], config, where: 
 
 def weight_bytes(config, dtype_bytes: int) -> int:
     """The bytes the model's parameters take (an estimate from the config: linear layers,
-    embeddings, norms; FP8 layers at a byte a weight)."""
-    h, v = config.hidden_size, config.vocab_size
-    linear_bytes = 1 if config.quantization is not None else dtype_bytes
-    dense = 3 * h * config.intermediate_size
-    moe = 0
+    embeddings, norms, routers; FP8 layers at a byte a weight plus their float32 scales,
+    one per weight row and block of columns)."""
+    h, v, layers = config.hidden_size, config.vocab_size, config.num_hidden_layers
+    num_moe = sum(layer.moe for layer in config.layers)
+    attention, attention_float = _attention_params(config)
+    linears = layers * attention + (layers - num_moe) * 3 * h * config.intermediate_size
+    router = 0
     if config.moe is not None:
         experts = config.moe.num_experts + config.moe.num_shared_experts
-        moe = experts * 3 * h * config.moe.intermediate_size + config.moe.num_experts * h
-    num_moe = sum(layer.moe for layer in config.layers)
-    layers = config.num_hidden_layers
-    total = linear_bytes * ((layers - num_moe) * dense + num_moe * moe)
-    total += layers * _attention_bytes(config, linear_bytes, dtype_bytes)
-    total += dtype_bytes * (layers * 4 * h + v * h * (1 if config.tie_word_embeddings else 2))
+        linears += num_moe * experts * 3 * h * config.moe.intermediate_size
+        # DeepSeekMoE's router is kept in float32
+        router = (num_moe * config.moe.num_experts * h
+                  * (4 if config.moe.scoring == "sigmoid" else dtype_bytes))
+    if config.quantization is None:
+        total = linears * dtype_bytes
+    else:
+        block = config.quantization.linear.block
+        total = linears + 4 * linears // (block[1] if block else h)
+    total += router + dtype_bytes * (layers * (4 * h + attention_float)
+                                     + v * h * (1 if config.tie_word_embeddings else 2))
     return total
 
 
-def _attention_bytes(config, linear_bytes: int, dtype_bytes: int) -> int:
-    """One layer's attention weights: q, k, v and o projections; with multi-head latent
-    attention (batchinfer.model.mla) q_a_proj and q_b_proj (or q_proj),
-    kv_a_proj_with_mqa, o_proj, the latent norms, and kv_b_proj in the model's dtype (an
-    FP8 checkpoint's is dequantized as it loads)."""
+def _attention_params(config) -> tuple[int, int]:
+    """One layer's attention weights: (those of its linear layers, those kept in the model's
+    dtype even in an FP8 model). The q, k, v and o projections; with multi-head latent
+    attention (batchinfer.model.mla) q_a_proj and q_b_proj (or q_proj), kv_a_proj_with_mqa
+    and o_proj, and in the model's dtype kv_b_proj (an FP8 checkpoint's is dequantized as
+    it loads) and the latent norms."""
     h, heads = config.hidden_size, config.num_attention_heads
     mla = getattr(config, "mla", None)
     if mla is None:
         q, kv = heads * config.head_dim, config.num_key_value_heads * config.head_dim
-        return linear_bytes * (2 * h * q + 2 * h * kv)
+        return 2 * h * q + 2 * h * kv, 0
     q_out = heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim)
     q_lora = mla.q_lora_rank or 0
     q = h * q_out if not q_lora else h * q_lora + q_lora * q_out
     linears = q + h * (mla.kv_lora_rank + mla.qk_rope_head_dim) + heads * mla.v_head_dim * h
     kv_b = mla.kv_lora_rank * heads * (mla.qk_nope_head_dim + mla.v_head_dim)
-    return linear_bytes * linears + dtype_bytes * (kv_b + mla.kv_lora_rank + q_lora)
+    return linears, kv_b + mla.kv_lora_rank + q_lora
 
 
 def rotary_bytes(config, max_len: int, dtype_bytes: int) -> int:

@@ -63,14 +63,19 @@ def test_fp8_block_checkpoint_layers(tmp_path, deepseek_v3_dir):
     assert layer.mlp.shared_experts.down_proj.weight.dtype == torch.float8_e4m3fn
 
 
-@pytest.mark.parametrize("fixture", ["deepseek_v3_dir", "deepseek_v3_no_q_lora_dir"])
+@pytest.mark.parametrize("fixture, form", [("deepseek_v3_dir", None),
+                                           ("deepseek_v3_no_q_lora_dir", None),
+                                           ("deepseek_v3_dir", "fp8-block")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_memory_check_estimates_the_weights(request, fixture, dtype):
+def test_memory_check_estimates_the_weights(request, tmp_path, fixture, form, dtype):
     # the memory check's estimate from the config against the built model's parameters
+    # (FP8: a byte a weight, float32 scales per row and block, kv_b_proj in the dtype)
     from transformers import AutoConfig
     from batchinfer.model import checks
     from batchinfer.model.loader import build_model
     path = request.getfixturevalue(fixture)
+    if form is not None:
+        path = fp8_checkpoints.write_fp8(path, tmp_path / form, form)
     config = ModelConfig.from_hf(AutoConfig.from_pretrained(str(path)))
     model = build_model(config, None, dtype, torch.device("cpu"), max_position=64)
     actual = sum(p.numel() * p.element_size() for p in model.parameters())
