@@ -138,6 +138,22 @@ SHAPES: dict[str, dict[str, Any]] = {
         vocab_size=151552, max_position_embeddings=131072, rms_norm_eps=1e-5,
         tie_word_embeddings=False, initializer_range=0.02,
     ),
+    # DeepSeek-V3's shape (671B, 37B active): multi-head latent attention, 256 experts, 8 a
+    # token in the best 4 of 8 groups, one shared, three dense first layers, YaRN to 160k
+    "deepseek-v3": dict(
+        model_type="deepseek_v3", hidden_size=7168, num_hidden_layers=61,
+        num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536,
+        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=256,
+        n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
+        first_k_dense_replace=3, routed_scaling_factor=2.5, norm_topk_prob=True,
+        rope_parameters={"rope_type": "yarn", "factor": 40.0,
+                         "original_max_position_embeddings": 4096, "beta_fast": 32,
+                         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+                         "rope_theta": 10000.0},
+        vocab_size=129280, max_position_embeddings=163840, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, initializer_range=0.02,
+    ),
     # tiny's attention with GLM-4.5's feed-forward: 4 of 16 experts 172 wide in groups, a
     # shared expert, a dense first layer (the routing's cost beside tiny-moe's softmax)
     "tiny-glm4-moe": dict(

@@ -80,3 +80,22 @@ def test_memory_check_estimates_the_weights(request, tmp_path, fixture, form, dt
     model = build_model(config, None, dtype, torch.device("cpu"), max_position=64)
     actual = sum(p.numel() * p.element_size() for p in model.parameters())
     assert checks.weight_bytes(config, dtype.itemsize) == pytest.approx(actual, rel=0.03)
+
+
+def test_deepseek_v3_shape_weights():
+    # docs/scaling.md's arithmetic: 671.0B parameters; FP8 as the published checkpoints
+    # (a byte a linear weight, float32 scales per row and 128 columns, kv_b_proj, the
+    # embeddings and LM head in bfloat16, the router in float32): 695 GB
+    from batchinfer.model import checks
+    from batchinfer.model.loader import build_model
+    from batchinfer.random_checkpoint import make_config
+    hf = make_config("deepseek-v3")
+    hf.quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                              "fmt": "e4m3", "weight_block_size": [128, 128]}
+    config = ModelConfig.from_hf(hf)
+    model = build_model(config, None, torch.bfloat16, torch.device("meta"), max_position=64)
+    params = {n: p for n, p in model.named_parameters() if not n.endswith("_scale")}
+    assert round(sum(p.numel() for p in params.values()) / 1e9, 1) == 671.0
+    actual = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert round(actual / 1e9) == 695
+    assert checks.weight_bytes(config, 2) == pytest.approx(actual, rel=0.01)
