@@ -12,8 +12,9 @@ are float32. Under tensor parallelism each rank holds its share of the heads (th
 of q_b_proj or q_proj and kv_b_proj, their columns of o_proj, summed by its all-reduce);
 q_a_proj, kv_a_proj_with_mqa, the latent norms and the latent cache are the same on every
 rank. In an FP8 checkpoint every projection stays FP8 but kv_b_proj, which is
-dequantized to the model's dtype as it loads (its weight is only used split per head). Each sequence's context is gathered from the cache through its block table,
-one sequence at a time (the model is not captured in CUDA graphs).
+dequantized to the model's dtype as it loads (its weight is only used split per head).
+Each sequence's context is gathered from the cache through its block table, one sequence
+at a time (the model is not captured in CUDA graphs).
 """
 from __future__ import annotations
 
@@ -35,9 +36,9 @@ LATENT_NORM_EPS = 1e-6
 
 class Weight(nn.Module):
     """A weight used in products of its own (never packed for the CPU), in the model's
-    dtype: this rank's `shard` (first row, rows) of the checkpoint's `rows`. With `quant` (an FP8 checkpoint's layer) the checkpoint's FP8 weight
-    and its scale wait for each other, then the weight they stand for is stored and the
-    scale dropped."""
+    dtype: this rank's `shard` (first row, rows) of the checkpoint's `rows`. With `quant`
+    (an FP8 checkpoint's layer) the checkpoint's FP8 rows and its scale wait for each
+    other, then the weight they stand for is stored and the scale dropped."""
 
     def __init__(self, rows: int, cols: int, shard: tuple[int, int],
                  quant: LinearQuant | None = None):
@@ -117,7 +118,8 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = norm(self.kv_lora_rank, LATENT_NORM_EPS)
         kv_b_rows = self.num_heads * (self.nope + self.v_dim)
         self.kv_b_proj = Weight(heads * (self.nope + self.v_dim), self.kv_lora_rank,
-                                (TensorParallel.rank * kv_b_rows, kv_b_rows), quant("kv_b_proj"))
+                                (TensorParallel.rank * kv_b_rows, kv_b_rows),
+                                quant("kv_b_proj"))
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden,
                                         bias=config.o_proj_bias, quant=quant("o_proj"))
 
