@@ -360,36 +360,26 @@ class CausalLM(nn.Module):
                 continue
             name = mixtral_name(name).replace(".mlp.router.", ".mlp.gate.")  # gpt-oss's
             fused_expert = FUSED_EXPERT_TENSOR.fullmatch(name)
-            if fused_expert is not None:
-                block = self.get_submodule(fused_expert.group(1))
-                if not isinstance(block, SparseMoE):
-                    raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-                projection, suffix = fused_expert.group(2), fused_expert.group(3)
-                try:
-                    if suffix in ("_blocks", "_scales"):  # MXFP4: dequantized once both read
-                        packed = mxfp4_parts.setdefault(name.removesuffix(suffix), {})
-                        packed[suffix] = tensor
-                        if len(packed) < 2:
-                            continue
-                        tensor = mxfp4.dequantize(packed["_blocks"].read(),
-                                                  packed["_scales"].read(),
-                                                  block.w2.dtype)
-                        suffix = ""
-                    block.load_fused_experts(projection, suffix, tensor)
-                except ValueError as e:
-                    raise ValueError(f"checkpoint tensor {name!r} {e}") from None
-                experts[fused_expert.group(1)] = block
-                loaded.update(f"{fused_expert.group(1)}.{p}" for p, _ in block.named_parameters()
-                              if not p.startswith(("gate.", "shared_experts.")))
-                continue
-            expert = EXPERT_TENSOR.fullmatch(name)
-            if expert is not None:
+            expert = fused_expert or EXPERT_TENSOR.fullmatch(name)
+            if expert is not None:  # an MoE block's, per expert or all experts fused
                 block = self.get_submodule(expert.group(1))
                 if not isinstance(block, SparseMoE):
                     raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-                kind = expert.group(4).removesuffix("_inv")
                 try:
-                    block.load_expert(int(expert.group(2)), expert.group(3), tensor, kind)
+                    if fused_expert is None:
+                        block.load_expert(int(expert.group(2)), expert.group(3), tensor,
+                                          expert.group(4).removesuffix("_inv"))
+                    else:
+                        projection, suffix = expert.group(2), expert.group(3)
+                        if suffix in ("_blocks", "_scales"):  # MXFP4: dequantized once both read
+                            packed = mxfp4_parts.setdefault(name.removesuffix(suffix), {})
+                            packed[suffix] = tensor
+                            if len(packed) < 2:
+                                continue
+                            tensor = mxfp4.dequantize(packed["_blocks"].read(),
+                                                      packed["_scales"].read(), block.w2.dtype)
+                            suffix = ""
+                        block.load_fused_experts(projection, suffix, tensor)
                 except ValueError as e:
                     raise ValueError(f"checkpoint tensor {name!r} {e}") from None
                 experts[expert.group(1)] = block
