@@ -239,9 +239,11 @@ class ModelRunner:
         return [(cache[i, 0], cache[i, 1]) for i in range(self.num_layers)]
 
     # ---- plan bookkeeping ------------------------------------------------------------
-    def _update_states(self, plan: SchedulerOutput) -> np.ndarray:
+    def update_states(self, plan: SchedulerOutput) -> np.ndarray:
         """Bring the input batch and the runner's requests up to the plan; returns the
-        batch rows of the plan's requests, in num_scheduled_tokens' order."""
+        batch rows of the plan's requests, in num_scheduled_tokens' order. (The engine
+        calls it alone for a plan that computes nothing, to tell the runner which requests
+        ended or were preempted.)"""
         batch = self.input_batch
         for req_id in plan.finished_req_ids:
             self.requests.pop(req_id, None)
@@ -295,11 +297,6 @@ class ModelRunner:
             query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist(),
             block_tables_cpu=block_tables)
 
-    def update_states(self, plan: SchedulerOutput) -> None:
-        """Take a plan that computes nothing (async scheduling: its requests' next tokens
-        are on their way) for its finished and preempted requests."""
-        self._update_states(plan)
-
     # ---- the step --------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput,
@@ -314,7 +311,7 @@ class ModelRunner:
             self.plan_sink(plan, self.unsent_tokens if self.samples else sampled)
             self.unsent_tokens = ([], [])
         self._append_sampled(*sampled)
-        rows = self._update_states(plan)
+        rows = self.update_states(plan)
         sched = plan.num_scheduled_tokens
         step = self.input_batch.prepare(
             rows, np.fromiter(sched.values(), dtype=np.int64, count=len(sched)))

@@ -6,8 +6,8 @@ Gemma 2's and 3's norms, sandwich layers and scaled embeddings, Gemma 2's tanh s
 of attention scores and final logits, which layers see a sliding window,
 each layer's rope settings (Gemma 3: its own per layer type) and the mixture-of-experts
 blocks of Mixtral, Qwen3-MoE, GLM-4.5 and DeepSeek-V3 (DeepSeekMoE routing) and gpt-oss,
-gpt-oss's attention sinks, and DeepSeek-V3's multi-head latent attention (MLAConfig). A vision-language checkpoint gives
-its text decoder's.
+gpt-oss's attention sinks, and DeepSeek-V3's multi-head latent attention (MLAConfig). A
+vision-language checkpoint gives its text decoder's.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ class _Arch:
     sliding: str = "none"    # where sliding_window applies: "none", "all", "layer_types"
     gemma: bool = False      # Gemma's norms, sandwich layers and scaled embeddings
     o_proj_bias: bool = True  # attention_bias gives o_proj a bias too (not GLM-4.5's)
+    sinks: bool = False      # a learned logit per query head in each softmax's denominator
 
 
 ARCHITECTURES = {
@@ -49,7 +50,7 @@ ARCHITECTURES = {
     "DeepseekV3ForCausalLM": _Arch(),
     # attention sinks, q/k/v/o biases, sliding and full layers, YaRN; experts with biases
     # and a clamped SwiGLU, routed by a softmax over the top k router logits
-    "GptOssForCausalLM": _Arch(sliding="layer_types"),
+    "GptOssForCausalLM": _Arch(sliding="layer_types", sinks=True),
 }
 # the architecture of a config that names none, by its model_type
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -220,7 +221,7 @@ class ModelConfig:
             eos_token_id=eos if eos is not None else getattr(config, "eos_token_id", None),
             quantization=scheme,
             mla=mla,
-            attention_sinks=config.model_type == "gpt_oss",
+            attention_sinks=arch.sinks,
         )
 
 

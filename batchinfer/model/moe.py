@@ -295,21 +295,18 @@ class SparseMoE(nn.Module):
         spans = [(e, end - n, end) for e, (n, end) in enumerate(zip(counts, ends)) if n]
         gate_up = torch.cat([self._product(e, 0, rows[a:b]) for e, a, b in spans])
         if self.swiglu is not None:
-            gate_up = gate_up + self._expert_bias(self.b13, counts)
+            rows_per_expert = torch.tensor(counts, device=x.device)
+            gate_up = gate_up + self.b13.repeat_interleave(rows_per_expert, dim=0)
             h = self._clamped_swiglu(gate_up)
         else:
             h = F.silu(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:]
         y = torch.cat([self._product(e, 1, h[a:b]) for e, a, b in spans])
         if self.swiglu is not None and TensorParallel.rank == 0:
-            y = y + self._expert_bias(self.b2, counts)
+            y = y + self.b2.repeat_interleave(rows_per_expert, dim=0)
         y = y * weights.flatten()[order, None]
         # rows in expert order: each token's choices are added in ascending expert order
         out = torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))
         return TensorParallel.all_reduce(out)
-
-    def _expert_bias(self, bias: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Each row's expert's bias, the rows grouped by expert (counts rows each)."""
-        return torch.repeat_interleave(bias, torch.tensor(counts, device=bias.device), dim=0)
 
     def _clamped_swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gpt-oss's activation of [gate | up] rows."""
